@@ -1,0 +1,65 @@
+#pragma once
+// The host backend: logical devices are worker threads over host memory. It is a real backend,
+// the one that runs everywhere: the same policy code drives it and the CUDA backend.
+
+#include <dparallel/config.hpp>
+#include <dparallel/backend/host/kernels.hpp>
+#include <dparallel/backend/host/stream.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <algorithm>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace host {
+
+/// `n` logical host devices, host:0 .. host:n-1.
+inline std::vector<device> devices(int n) {
+  dparallel::detail::require(n > 0, "host::devices: expected at least one device, found " + std::to_string(n));
+  std::vector<device> out;
+  for (int i = 0; i < n; ++i) out.push_back(device{device_kind::host, i});
+  return out;
+}
+
+/// The backend tag handed to parallel<>: its stream and event types and its kernels.
+struct backend {
+  using stream_type = host::stream;
+  using event_type = host::event;
+  static constexpr device_kind kind = device_kind::host;
+
+  /// One logical device per hardware thread (at least one): the default device list.
+  static std::vector<device> all_devices() {
+    return devices(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  }
+  static void check_device(device d) {
+    dparallel::detail::require(d.kind == device_kind::host && d.index >= 0,
+                               "host backend: expected a host device with index >= 0, found " + to_string(d));
+  }
+  static void check_view(tensor_ref t, device d, char const* what) {
+    dparallel::detail::require(t.device().kind == device_kind::host,
+                               std::string(what) + ": expected host memory on " + to_string(d) + ", found a view on " +
+                                   to_string(t.device()));
+  }
+
+  // Kernels enqueued on a stream by the policies.
+  static event copy(stream_type& s, tensor_ref dst, tensor_ref src) {
+    return s.enqueue([=] { host::copy(dst, src); });
+  }
+  /// Copies each src[i] to dst[i] as one piece of work (the coalesced form).
+  static event copy_all(stream_type& s, std::vector<tensor_ref> dst, std::vector<tensor_ref> src) {
+    return s.enqueue([dst = std::move(dst), src = std::move(src)] {
+      for (std::size_t i = 0; i < dst.size(); ++i) host::copy(dst[i], src[i]);
+    });
+  }
+  static event weighted_sum(stream_type& s, tensor_ref dst, std::vector<tensor_ref> srcs, std::vector<double> w) {
+    return s.enqueue([=, srcs = std::move(srcs), w = std::move(w)] { host::weighted_sum(dst, srcs, w); });
+  }
+};
+
+}  // namespace host
+DPARALLEL_NAMESPACE_END

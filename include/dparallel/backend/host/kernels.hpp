@@ -1,0 +1,106 @@
+#pragma once
+// Elementwise kernels of the host backend over dtype-erased views. They run on the calling thread
+// (a stream's worker when enqueued). Summation order is fixed, so results are deterministic.
+
+#include <dparallel/config.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <string>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace host {
+namespace detail {
+
+inline void check_same(tensor_ref dst, tensor_ref src, char const* what) {
+  dparallel::detail::require(dst.dtype() == src.dtype() && dst.size() == src.size(),
+                             std::string(what) + ": expected views of the same dtype and size, found " +
+                                 std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + " and " +
+                                 std::to_string(src.size()) + " x " + std::string(name_of(src.dtype())));
+}
+
+/// Calls f(T{}) with T the C++ type of a floating dtype; throws for other dtypes.
+template <class F>
+decltype(auto) dispatch_float(dtype t, F&& f, char const* what) {
+  switch (t) {
+    case dtype::f32: return f(float{});
+    case dtype::f64: return f(double{});
+    default:
+      throw invalid_argument(std::string("dparallel: ") + what + ": the host backend reduces F32 and F64, found " +
+                             std::string(name_of(t)));
+  }
+}
+
+}  // namespace detail
+
+/// dst = src (bytes); any dtype.
+inline void copy(tensor_ref dst, tensor_ref src) {
+  detail::check_same(dst, src, "host::copy");
+  if (dst.data() != src.data() && dst.size() != 0) std::memcpy(dst.data(), src.data(), dst.size_bytes());
+}
+
+/// dst *= alpha.
+inline void scale(tensor_ref dst, double alpha) {
+  detail::dispatch_float(
+      dst.dtype(),
+      [&](auto zero) {
+        using T = decltype(zero);
+        T* d = static_cast<T*>(dst.data());
+        T const a = static_cast<T>(alpha);
+        for (std::size_t i = 0, n = dst.size(); i < n; ++i) d[i] *= a;
+      },
+      "host::scale");
+}
+
+/// dst += alpha * src.
+inline void add_scaled(tensor_ref dst, tensor_ref src, double alpha) {
+  detail::check_same(dst, src, "host::add_scaled");
+  detail::dispatch_float(
+      dst.dtype(),
+      [&](auto zero) {
+        using T = decltype(zero);
+        T* d = static_cast<T*>(dst.data());
+        T const* s = static_cast<T const*>(src.data());
+        T const a = static_cast<T>(alpha);
+        for (std::size_t i = 0, n = dst.size(); i < n; ++i) d[i] += a * s[i];
+      },
+      "host::add_scaled");
+}
+
+/// dst[i] = sum_k weights[k] * srcs[k][i], accumulated in k order in the element type.
+/// `dst` may be one of the sources (element-wise in place); it must not partially overlap one.
+inline void weighted_sum(tensor_ref dst, std::span<tensor_ref const> srcs, std::span<double const> weights) {
+  dparallel::detail::require(!srcs.empty() && srcs.size() == weights.size(),
+                             "host::weighted_sum: expected one weight per source and at least one source, found " +
+                                 std::to_string(srcs.size()) + " sources and " + std::to_string(weights.size()) +
+                                 " weights");
+  for (auto const& s : srcs) detail::check_same(dst, s, "host::weighted_sum");
+  detail::dispatch_float(
+      dst.dtype(),
+      [&](auto zero) {
+        using T = decltype(zero);
+        constexpr std::size_t tile = 1024;  // keeps the running sums in L1 while sources stream
+        T acc[tile];
+        T* d = static_cast<T*>(dst.data());
+        std::size_t const n = dst.size();
+        for (std::size_t base = 0; base < n; base += tile) {
+          std::size_t const m = n - base < tile ? n - base : tile;
+          T const* s0 = static_cast<T const*>(srcs[0].data()) + base;
+          T const w0 = static_cast<T>(weights[0]);
+          for (std::size_t i = 0; i < m; ++i) acc[i] = w0 * s0[i];
+          for (std::size_t k = 1; k < srcs.size(); ++k) {
+            T const* s = static_cast<T const*>(srcs[k].data()) + base;
+            T const w = static_cast<T>(weights[k]);
+            for (std::size_t i = 0; i < m; ++i) acc[i] += w * s[i];
+          }
+          std::memcpy(d + base, acc, m * sizeof(T));
+        }
+      },
+      "host::weighted_sum");
+}
+
+}  // namespace host
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,202 @@
+#pragma once
+// Host streams and events: each logical host device is a worker thread draining a FIFO queue,
+// with the ordering and error semantics of a CUDA stream.
+//
+// - enqueue(fn) runs fn after everything enqueued before it and returns an event for it;
+// - wait(event) makes later work on this stream wait for an event of any stream;
+// - an exception thrown by work becomes the stream's sticky error: later work on the stream is
+//   skipped and its events carry the same error, until synchronize() rethrows and clears it;
+// - an exception from work is reported as a device_error naming the stream's device, with the
+//   original exception nested (std::rethrow_if_nested recovers it).
+
+#include <dparallel/config.hpp>
+#include <dparallel/core/error.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace host {
+
+/// Completion of one piece of enqueued work; a default-constructed event is already complete.
+class event {
+ public:
+  event() = default;
+
+  /// True when the work finished (successfully or not).
+  [[nodiscard]] bool ready() const {
+    if (!s_) return true;
+    std::lock_guard lock(s_->m);
+    return s_->done;
+  }
+  /// Blocks until the work finished; rethrows its error.
+  void wait() const {
+    if (auto e = wait_nothrow()) std::rethrow_exception(e);
+  }
+  /// Blocks until the work finished; returns its error (null on success).
+  [[nodiscard]] std::exception_ptr wait_nothrow() const {
+    if (!s_) return nullptr;
+    std::unique_lock lock(s_->m);
+    s_->cv.wait(lock, [&] { return s_->done; });
+    return s_->error;
+  }
+  /// Waits at most `timeout`; true when the work finished.
+  template <class Rep, class Period>
+  [[nodiscard]] bool wait_for(std::chrono::duration<Rep, Period> timeout) const {
+    if (!s_) return true;
+    std::unique_lock lock(s_->m);
+    return s_->cv.wait_for(lock, timeout, [&] { return s_->done; });
+  }
+
+ private:
+  friend class stream;
+  struct state {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  static event make() {
+    event e;
+    e.s_ = std::make_shared<state>();
+    return e;
+  }
+  void complete(std::exception_ptr error) const {
+    {
+      std::lock_guard lock(s_->m);
+      s_->done = true;
+      s_->error = std::move(error);
+    }
+    s_->cv.notify_all();
+  }
+  std::shared_ptr<state> s_;
+};
+
+/// The queue of one logical host device, drained in order by its own worker thread.
+class stream {
+ public:
+  explicit stream(int device_index) : device_(device_index), worker_([this] { run(); }) {}
+  stream(stream const&) = delete;
+  stream& operator=(stream const&) = delete;
+  /// Finishes the queued work, then joins the worker.
+  ~stream() {
+    {
+      std::lock_guard lock(m_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  [[nodiscard]] int device_index() const noexcept { return device_; }
+
+  /// Runs `fn()` on this stream after all earlier work; returns its completion event.
+  template <class F>
+  event enqueue(F&& fn) {
+    event done = event::make();
+    {
+      std::lock_guard lock(m_);
+      queue_.push_back(task{std::function<void()>(std::forward<F>(fn)), done});
+      ++pending_;
+    }
+    cv_.notify_all();
+    return done;
+  }
+
+  /// Later work on this stream waits for `e`; an error carried by `e` becomes this stream's error.
+  void wait(event e) {
+    if (e.ready() && !e.wait_nothrow()) return;
+    enqueue([e] { e.wait(); });
+  }
+
+  /// An event that completes when all work enqueued so far has finished.
+  event record() {
+    return enqueue([] {});
+  }
+
+  /// Blocks until the queue is drained; rethrows (and clears) the stream's sticky error.
+  void synchronize() {
+    std::exception_ptr e;
+    {
+      std::unique_lock lock(m_);
+      idle_.wait(lock, [&] { return pending_ == 0; });
+      e = std::exchange(error_, nullptr);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  struct task {
+    std::function<void()> fn;
+    event done;
+  };
+
+  void run() {
+    for (;;) {
+      task t;
+      std::exception_ptr sticky;
+      {
+        std::unique_lock lock(m_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        t = std::move(queue_.front());
+        queue_.pop_front();
+        sticky = error_;
+      }
+      std::exception_ptr failure = sticky;
+      if (!sticky) failure = invoke(t.fn);
+      t.done.complete(failure);
+      {
+        std::lock_guard lock(m_);
+        if (failure && !error_) error_ = failure;
+        --pending_;
+        if (pending_ == 0) idle_.notify_all();
+      }
+    }
+  }
+
+  // Errors already attributed to a device or rank pass through; anything else is wrapped in a
+  // device_error for this device with the original nested.
+  std::exception_ptr invoke(std::function<void()>& fn) const {
+    try {
+      fn();
+      return nullptr;
+    } catch (device_error const&) {
+      return std::current_exception();
+    } catch (comm_error const&) {
+      return std::current_exception();
+    } catch (std::exception const& ex) {
+      try {
+        std::throw_with_nested(device_error(device_, ex.what()));
+      } catch (...) {
+        return std::current_exception();
+      }
+    } catch (...) {
+      try {
+        std::throw_with_nested(device_error(device_, "unknown exception"));
+      } catch (...) {
+        return std::current_exception();
+      }
+    }
+  }
+
+  int device_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::condition_variable idle_;
+  std::deque<task> queue_;
+  std::size_t pending_ = 0;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread worker_;  // last: starts after every other member is constructed
+};
+
+}  // namespace host
+DPARALLEL_NAMESPACE_END

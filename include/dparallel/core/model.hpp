@@ -1,0 +1,180 @@
+#pragma once
+// The user's model: customisation points, not base classes.
+//
+// A model type M is usable when dparallel can reach, for each replica,
+//   parameters(m)  a range of tensor views (any element convertible to tensor_ref),
+//   gradients(m)   a range of the same length whose views have the same sizes and dtypes,
+//   buffers(m)     optional: non-trained state copied like parameters but never reduced.
+// Each point is looked up as a member first (m.parameters()), then as a static member of a
+// specialisation of dparallel::model_traits<M> for types the user cannot edit. DataParallel also
+// needs a replica on each device: m.make_replica(device), else model_traits<M>::make_replica,
+// else M's copy constructor.
+
+#include <dparallel/config.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <ranges>
+#include <string>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+/// Specialise for a model type you cannot edit:
+///   template <> struct dparallel::model_traits<theirs> {
+///     static auto parameters(theirs& m) { ... }
+///     static auto gradients(theirs& m) { ... }
+///     static auto buffers(theirs& m) { ... }                       // optional
+///     static theirs make_replica(theirs const& m, device d) { ... } // optional
+///   };
+template <class M>
+struct model_traits {};
+
+/// A range whose elements convert to tensor_ref.
+template <class R>
+concept tensor_range = std::ranges::forward_range<R> && std::ranges::sized_range<R> &&
+                       std::convertible_to<std::ranges::range_reference_t<R>, tensor_ref>;
+
+namespace detail {
+template <class M>
+concept member_parameters = requires(M& m) {
+  { m.parameters() } -> tensor_range;
+};
+template <class M>
+concept traits_parameters = requires(M& m) {
+  { model_traits<M>::parameters(m) } -> tensor_range;
+};
+template <class M>
+concept member_gradients = requires(M& m) {
+  { m.gradients() } -> tensor_range;
+};
+template <class M>
+concept traits_gradients = requires(M& m) {
+  { model_traits<M>::gradients(m) } -> tensor_range;
+};
+template <class M>
+concept member_buffers = requires(M& m) {
+  { m.buffers() } -> tensor_range;
+};
+template <class M>
+concept traits_buffers = requires(M& m) {
+  { model_traits<M>::buffers(m) } -> tensor_range;
+};
+template <class M>
+concept member_make_replica = requires(M const& m, device d) {
+  { m.make_replica(d) } -> std::same_as<M>;
+};
+template <class M>
+concept traits_make_replica = requires(M const& m, device d) {
+  { model_traits<M>::make_replica(m, d) } -> std::same_as<M>;
+};
+
+struct parameters_fn {
+  template <class M>
+    requires member_parameters<M> || traits_parameters<M>
+  decltype(auto) operator()(M& m) const {
+    if constexpr (member_parameters<M>) return m.parameters();
+    else return model_traits<M>::parameters(m);
+  }
+};
+struct gradients_fn {
+  template <class M>
+    requires member_gradients<M> || traits_gradients<M>
+  decltype(auto) operator()(M& m) const {
+    if constexpr (member_gradients<M>) return m.gradients();
+    else return model_traits<M>::gradients(m);
+  }
+};
+struct buffers_fn {
+  /// A model without buffers has an empty range of them.
+  template <class M>
+  decltype(auto) operator()(M& m) const {
+    if constexpr (member_buffers<M>) return m.buffers();
+    else if constexpr (traits_buffers<M>) return model_traits<M>::buffers(m);
+    else return std::vector<tensor_ref>{};
+  }
+};
+}  // namespace detail
+
+/// parameters(m): the model's trainable tensors, in a stable order.
+inline constexpr detail::parameters_fn parameters{};
+/// gradients(m): one gradient per parameter, same order, sizes and dtypes.
+inline constexpr detail::gradients_fn gradients{};
+/// buffers(m): non-trained state (running statistics, ...); empty when the model has none.
+inline constexpr detail::buffers_fn buffers{};
+
+/// What dparallel needs of every model.
+template <class M>
+concept model = requires(M& m) {
+  { dparallel::parameters(m) } -> tensor_range;
+  { dparallel::gradients(m) } -> tensor_range;
+};
+
+/// A model DataParallel can copy onto another device.
+template <class M>
+concept replicable_model =
+    model<M> && (detail::member_make_replica<M> || detail::traits_make_replica<M> || std::copy_constructible<M>);
+
+/// Makes a replica of `m` for device `d`.
+template <replicable_model M>
+M make_replica(M const& m, device d) {
+  if constexpr (detail::member_make_replica<M>) return m.make_replica(d);
+  else if constexpr (detail::traits_make_replica<M>) return model_traits<M>::make_replica(m, d);
+  else return M(m);
+}
+
+/// Compile-time check with a readable message for each missing piece; used by the wrappers.
+template <class M>
+constexpr bool check_model() {
+  static_assert(detail::member_parameters<M> || detail::traits_parameters<M>,
+                "dparallel: the model type has no parameters: give it a member `parameters()` returning a range "
+                "of tensor views, or specialise dparallel::model_traits<M> with `static auto parameters(M&)`");
+  static_assert(detail::member_gradients<M> || detail::traits_gradients<M>,
+                "dparallel: the model type has no gradients: give it a member `gradients()` returning a range "
+                "of tensor views, or specialise dparallel::model_traits<M> with `static auto gradients(M&)`");
+  return model<M>;
+}
+
+/// The parameters of `m` as tensor_refs.
+template <model M>
+std::vector<tensor_ref> parameter_refs(M& m) {
+  std::vector<tensor_ref> out;
+  for (auto&& t : dparallel::parameters(m)) out.emplace_back(t);
+  return out;
+}
+/// The gradients of `m` as tensor_refs.
+template <model M>
+std::vector<tensor_ref> gradient_refs(M& m) {
+  std::vector<tensor_ref> out;
+  for (auto&& t : dparallel::gradients(m)) out.emplace_back(t);
+  return out;
+}
+/// The buffers of `m` as tensor_refs.
+template <model M>
+std::vector<tensor_ref> buffer_refs(M& m) {
+  std::vector<tensor_ref> out;
+  for (auto&& t : dparallel::buffers(m)) out.emplace_back(t);
+  return out;
+}
+
+/// Throws invalid_argument unless every gradient matches its parameter in size and dtype.
+template <model M>
+void verify_model(M& m, std::string const& where) {
+  auto const p = parameter_refs(m);
+  auto const g = gradient_refs(m);
+  detail::require(p.size() == g.size(), where + ": expected one gradient per parameter, found " +
+                                            std::to_string(p.size()) + " parameters and " +
+                                            std::to_string(g.size()) + " gradients");
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    detail::require(p[i].size() == g[i].size() && p[i].dtype() == g[i].dtype(),
+                    where + ": gradient " + std::to_string(i) + " does not match its parameter: expected " +
+                        std::to_string(p[i].size()) + " elements of " + std::string(name_of(p[i].dtype())) +
+                        ", found " + std::to_string(g[i].size()) + " elements of " +
+                        std::string(name_of(g[i].dtype())));
+  }
+}
+
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,61 @@
+#pragma once
+// The state the policies of one wrapper share: the local devices, their streams, the model on
+// each device, and the shard plan of the current step.
+
+#include <dparallel/config.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/model.hpp>
+#include <dparallel/core/options.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace detail {
+
+template <class Model, class Backend>
+struct replica_set {
+  using model_type = Model;
+  using backend_type = Backend;
+  using stream_type = typename Backend::stream_type;
+  using event_type = typename Backend::event_type;
+
+  Model* master = nullptr;             ///< the user's model; lives on devices[0]
+  std::vector<device> devices;         ///< local devices, devices[0] is the master's
+  std::vector<Model*> models;          ///< models[i] runs on devices[i]; models[0] == master
+  std::vector<std::unique_ptr<Model>> owned;  ///< replicas made by the wrapper (devices 1..n-1)
+  std::vector<std::unique_ptr<stream_type>> streams;  ///< streams[i] is devices[i]'s queue
+  dparallel::options opts;
+  std::size_t output_slot = 0;         ///< index in devices of options::output_device
+
+  // Refreshed at the start of every step (models may reallocate their storage between steps).
+  std::vector<std::vector<tensor_ref>> params, grads, bufs;
+
+  // The current step's plan.
+  std::size_t batch = 0;
+  std::vector<std::size_t> shard_sizes;    ///< per device; 0 = no shard this step
+  std::vector<std::size_t> shard_offsets;  ///< per device
+  std::vector<event_type> compute_done;    ///< per device: the step function's completion
+
+  [[nodiscard]] std::size_t size() const noexcept { return devices.size(); }
+  [[nodiscard]] bool active(std::size_t i) const noexcept { return shard_sizes[i] != 0; }
+  [[nodiscard]] double weight(std::size_t i) const noexcept {
+    return static_cast<double>(shard_sizes[i]) / static_cast<double>(batch);
+  }
+
+  void refresh_views() {
+    params.resize(size());
+    grads.resize(size());
+    bufs.resize(size());
+    for (std::size_t i = 0; i < size(); ++i) {
+      params[i] = parameter_refs(*models[i]);
+      grads[i] = gradient_refs(*models[i]);
+      bufs[i] = buffer_refs(*models[i]);
+    }
+  }
+};
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END

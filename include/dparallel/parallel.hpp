@@ -1,0 +1,279 @@
+#pragma once
+// parallel<Model, Semantics, Backend>: the one composition point. It owns one stream per local
+// device and the replicas, and runs each step as scatter -> replicate -> compute -> reduce ->
+// gather, each stage being a policy type taken from the Semantics bundle.
+
+#include <dparallel/config.hpp>
+#include <dparallel/backend/host/backend.hpp>
+#include <dparallel/core/batch.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/model.hpp>
+#include <dparallel/core/options.hpp>
+#include <dparallel/core/step_context.hpp>
+#include <dparallel/detail/replica_set.hpp>
+#include <dparallel/policy/gather.hpp>
+#include <dparallel/policy/reduce.hpp>
+#include <dparallel/policy/replicate.hpp>
+#include <dparallel/policy/scatter.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+/// A bundle of policies: what parallel<> is parameterised on.
+template <class S>
+concept semantics = scatter_policy<typename S::scatter> && replicate_policy<typename S::replicate> &&
+                    reduce_policy<typename S::reduce> && gather_policy<typename S::gather>;
+
+/// DataParallel semantics (torch.nn.DataParallel): one process, several local devices; the batch
+/// is split on dim 0, the master's parameters are copied to every replica before each step, the
+/// gradients are summed shard-weighted onto the master, the outputs are concatenated.
+/// Derive from it and replace a member type to mix policies.
+struct dp {
+  using scatter = policy::split_batch;
+  using replicate = policy::replicate_each_step;
+  using reduce = policy::reduce_to_master;
+  using gather = policy::concat_outputs;
+};
+static_assert(semantics<dp>);
+
+namespace detail {
+template <class F, class M, class S>
+concept step_with_context = std::invocable<F&, M&, S, step_context&>;
+template <class F, class M, class S>
+concept step_without_context = std::invocable<F&, M&, S>;
+
+template <class F, class M, class S>
+struct step_result {
+  using type = std::invoke_result_t<F&, M&, S>;
+};
+template <class F, class M, class S>
+  requires step_with_context<F, M, S>
+struct step_result<F, M, S> {
+  using type = std::invoke_result_t<F&, M&, S, step_context&>;
+};
+
+inline bool overlaps(tensor_ref a, tensor_ref b) {
+  auto const* a0 = static_cast<char const*>(a.data());
+  auto const* b0 = static_cast<char const*>(b.data());
+  return a.size() != 0 && b.size() != 0 && a0 < b0 + b.size_bytes() && b0 < a0 + a.size_bytes();
+}
+}  // namespace detail
+
+template <class Model, class Semantics = dp, class Backend = host::backend>
+class parallel {
+  static_assert(check_model<Model>());
+  static_assert(semantics<Semantics>,
+                "dparallel: Semantics must name member types scatter, replicate, reduce and gather that satisfy "
+                "scatter_policy, replicate_policy, reduce_policy and gather_policy (derive from dparallel::dp)");
+
+ public:
+  using model_type = Model;
+  using semantics_type = Semantics;
+  using backend_type = Backend;
+  using scatter_type = typename Semantics::scatter;
+  using replicate_type = typename Semantics::replicate;
+  using reduce_type = typename Semantics::reduce;
+  using gather_type = typename Semantics::gather;
+
+  /// Wraps `model` (by reference: it must outlive the wrapper) over `devices`; devices[0] holds
+  /// the master model. Replicas for the other devices are made once, here.
+  explicit parallel(Model& model, std::vector<device> devices = Backend::all_devices(), options opts = {}) {
+    static_assert(replicable_model<Model>,
+                  "dparallel: DataParallel makes a replica per device: give the model a copy constructor, a member "
+                  "`M make_replica(device) const`, or model_traits<M>::make_replica(M const&, device)");
+    detail::require(!devices.empty(), "parallel: expected at least one device, found an empty device list");
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      Backend::check_device(devices[i]);
+      for (std::size_t j = 0; j < i; ++j)
+        detail::require(devices[i] != devices[j], "parallel: expected distinct devices, found " +
+                                                      to_string(devices[i]) + " at positions " + std::to_string(j) +
+                                                      " and " + std::to_string(i));
+    }
+    device const out = opts.output_device.value_or(devices[0]);
+    auto const it = std::find(devices.begin(), devices.end(), out);
+    detail::require(it != devices.end(),
+                    "parallel: expected output_device to be one of the wrapper's devices, found " + to_string(out));
+    verify_model(model, "parallel: the model");
+    for (auto const& t : parameter_refs(model)) Backend::check_view(t, devices[0], "parallel: the model's parameter");
+
+    rs_.master = &model;
+    rs_.devices = std::move(devices);
+    rs_.opts = std::move(opts);
+    rs_.output_slot = static_cast<std::size_t>(it - devices.begin());
+    rs_.models.push_back(&model);
+    for (std::size_t i = 1; i < rs_.size(); ++i) {
+      rs_.owned.push_back(std::make_unique<Model>(make_replica(std::as_const(model), rs_.devices[i])));
+      rs_.models.push_back(rs_.owned.back().get());
+      check_replica(i);
+    }
+    for (auto const& d : rs_.devices) rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(d.index));
+    rs_.compute_done.resize(rs_.size());
+    rs_.refresh_views();
+    replicate_.on_construct(rs_);
+    reduce_.on_construct(rs_);
+  }
+
+  parallel(parallel const&) = delete;
+  parallel& operator=(parallel const&) = delete;
+  parallel(parallel&&) noexcept = default;
+  parallel& operator=(parallel&&) noexcept = default;
+  ~parallel() = default;
+
+  /// The master model: the user's optimizer updates it between steps.
+  [[nodiscard]] Model& module() noexcept { return *rs_.master; }
+  [[nodiscard]] Model const& module() const noexcept { return *rs_.master; }
+  /// The model that runs on devices()[i] (replica(0) is module()).
+  [[nodiscard]] Model const& replica(std::size_t i) const { return *rs_.models.at(i); }
+  [[nodiscard]] std::vector<device> const& devices() const noexcept { return rs_.devices; }
+  [[nodiscard]] device output_device() const noexcept { return rs_.devices[rs_.output_slot]; }
+  /// Shard sizes of the last step, one per device (0 = the device received no shard).
+  [[nodiscard]] std::vector<std::size_t> const& last_shard_sizes() const noexcept { return rs_.shard_sizes; }
+
+  /// Runs one training step: the step function runs once per shard, on that shard's device, as
+  /// step_fn(Model& replica, Shard shard, step_context& ctx) or step_fn(Model&, Shard); it must
+  /// leave the gradient of the mean loss over its shard in gradients(replica). Returns the
+  /// gathered outputs (nothing when step_fn returns void). An exception from any device is
+  /// rethrown here as a dparallel::error naming the device; the wrapper stays usable.
+  template <class B, class F>
+  auto step(B const& batch, F&& step_fn) {
+    static_assert(check_batch<B>());
+    using shard_type = decltype(slice_batch(batch, 0, 0));
+    static_assert(detail::step_with_context<F, Model, shard_type> || detail::step_without_context<F, Model, shard_type>,
+                  "dparallel: the step function must be callable as f(Model&, Shard, dparallel::step_context&) or "
+                  "f(Model&, Shard), Shard being the batch's slice type");
+    using out_type = typename detail::step_result<F, Model, shard_type>::type;
+    constexpr bool returns_value = !std::is_void_v<out_type>;
+    using slot_type = std::conditional_t<returns_value, std::optional<out_type>, char>;
+
+    plan(batch_size(batch));
+    rs_.refresh_views();
+    std::vector<slot_type> outs(rs_.size());
+    std::vector<step_context> ctx(rs_.size());
+    sync_guard guard{this};
+    replicate_.before_step(rs_);
+    reduce_.begin_step(rs_);
+    for (std::size_t i = 0; i < rs_.size(); ++i) {
+      if (!rs_.active(i)) continue;
+      step_context::shard_info info;
+      info.device = rs_.devices[i];
+      info.replica = static_cast<int>(i);
+      info.offset = rs_.shard_offsets[i];
+      info.size = rs_.shard_sizes[i];
+      info.batch = rs_.batch;
+      ctx[i] = step_context(info, &parallel::ready_trampoline, this);
+      rs_.compute_done[i] = rs_.streams[i]->enqueue([&, i] {
+        auto shard = slice_batch(batch, rs_.shard_offsets[i], rs_.shard_offsets[i] + rs_.shard_sizes[i]);
+        Model& m = *rs_.models[i];
+        if constexpr (returns_value) {
+          if constexpr (detail::step_with_context<F, Model, shard_type>) outs[i].emplace(step_fn(m, std::move(shard), ctx[i]));
+          else outs[i].emplace(step_fn(m, std::move(shard)));
+        } else {
+          if constexpr (detail::step_with_context<F, Model, shard_type>) step_fn(m, std::move(shard), ctx[i]);
+          else step_fn(m, std::move(shard));
+        }
+      });
+    }
+    reduce_.finish(rs_);
+    guard.armed = false;
+    synchronize();
+    if constexpr (returns_value) {
+      std::vector<out_type> done;
+      done.reserve(rs_.size());
+      for (std::size_t i = 0; i < rs_.size(); ++i)
+        if (rs_.active(i)) done.push_back(std::move(*outs[i]));
+      return gather_type::gather(std::move(done), rs_);
+    }
+  }
+
+ private:
+  // On an exception between the first enqueue and the final synchronize, the streams must finish
+  // before the step's locals (which the queued work references) go away.
+  struct sync_guard {
+    parallel* self;
+    bool armed = true;
+    ~sync_guard() {
+      if (!armed) return;
+      for (auto& s : self->rs_.streams) {
+        try {
+          s->synchronize();
+        } catch (...) {  // NOLINT(bugprone-empty-catch): the exception in flight is the one to report
+        }
+      }
+    }
+  };
+
+  void plan(std::size_t total) {
+    detail::require(total > 0, "step: expected a batch of at least one sample, found an empty batch");
+    auto sizes = scatter_type::shard_sizes(total, rs_.size(), rs_.opts);
+    detail::require(sizes.size() <= rs_.size(), "step: the scatter policy returned " + std::to_string(sizes.size()) +
+                                                    " shards for " + std::to_string(rs_.size()) + " devices");
+    sizes.resize(rs_.size(), 0);
+    rs_.batch = total;
+    rs_.shard_sizes = std::move(sizes);
+    rs_.shard_offsets.assign(rs_.size(), 0);
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < rs_.size(); ++i) {
+      rs_.shard_offsets[i] = off;
+      off += rs_.shard_sizes[i];
+    }
+    detail::require(off == total, "step: the scatter policy's shard sizes sum to " + std::to_string(off) +
+                                      ", expected the batch size " + std::to_string(total));
+  }
+
+  // Waits for every stream; rethrows the first error in device order.
+  void synchronize() {
+    std::exception_ptr first;
+    for (auto& s : rs_.streams) {
+      try {
+        s->synchronize();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  void check_replica(std::size_t i) {
+    Model& r = *rs_.models[i];
+    std::string const where = "parallel: the replica for " + to_string(rs_.devices[i]);
+    verify_model(r, where);
+    auto const mp = parameter_refs(*rs_.master);
+    auto const rp = parameter_refs(r);
+    detail::require(mp.size() == rp.size(), where + " has " + std::to_string(rp.size()) +
+                                                " parameters, expected the master's " + std::to_string(mp.size()));
+    for (std::size_t k = 0; k < mp.size(); ++k) {
+      detail::require(mp[k].size() == rp[k].size() && mp[k].dtype() == rp[k].dtype(),
+                      where + ": parameter " + std::to_string(k) + " differs from the master's in size or dtype");
+      detail::require(!detail::overlaps(mp[k], rp[k]),
+                      where + ": parameter " + std::to_string(k) +
+                          " shares storage with the master's; a replica needs its own storage (give the model "
+                          "make_replica if copying it aliases)");
+    }
+  }
+
+  static void ready_trampoline(void* self, int replica, std::size_t param) {
+    auto* p = static_cast<parallel*>(self);
+    p->reduce_.grad_ready(p->rs_, replica, param);
+  }
+
+  detail::replica_set<Model, Backend> rs_;
+  replicate_type replicate_{};
+  reduce_type reduce_{};
+};
+
+/// torch.nn.DataParallel's counterpart on the host backend.
+template <class Model, class Backend = host::backend>
+using data_parallel = parallel<Model, dp, Backend>;
+
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,58 @@
+#pragma once
+// Reduce policies: how the replicas' gradients are combined after (or during) backward.
+
+#include <dparallel/config.hpp>
+#include <dparallel/policy/replicate.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+/// A reduce policy is told when a step starts, when a replica's gradient is ready (from
+/// step_context::grad_ready, on that replica's stream), and when every step function has been
+/// enqueued; finish() enqueues the remaining reduction work.
+template <class P>
+concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_set& s, int r, std::size_t i) {
+  p.on_construct(s);
+  p.begin_step(s);
+  p.grad_ready(s, r, i);
+  p.finish(s);
+};
+
+namespace policy {
+
+/// DataParallel: the master's gradient becomes sum_i w_i * g_i over the replicas that received a
+/// shard, w_i being the shard's share of the batch; summed in device order on the master's
+/// stream, so results are deterministic and equal the one-device gradient of the mean loss.
+struct reduce_to_master {
+  template <class Set>
+  void on_construct(Set&) {}
+  template <class Set>
+  void begin_step(Set&) {}
+  template <class Set>
+  void grad_ready(Set&, int, std::size_t) {}
+
+  template <class Set>
+  void finish(Set& s) {
+    using backend = typename Set::backend_type;
+    std::vector<std::size_t> active;
+    std::vector<double> w;
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (!s.active(i)) continue;
+      active.push_back(i);
+      w.push_back(s.weight(i));
+      if (i != 0) s.streams[0]->wait(s.compute_done[i]);
+    }
+    for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
+      std::vector<tensor_ref> src;
+      for (std::size_t i : active) src.push_back(s.grads[i][p]);
+      backend::weighted_sum(*s.streams[0], s.grads[0][p], std::move(src), w);
+    }
+  }
+};
+static_assert(reduce_policy<reduce_to_master>);
+
+}  // namespace policy
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Sourced by scripts/test and scripts/example: makes sure the Debian packages the build needs are
+# installed. As root it installs what is missing; otherwise it prints the apt-get line and fails.
+dparallel_packages=(
+  cmake g++ make
+  catch2                 # the test framework (Catch2 2.x)
+  libopenblas-dev        # the example model's GEMM
+  zlib1g-dev             # reading the gzip'ed IDX files
+  dataset-fashion-mnist  # the reference data set
+)
+
+dparallel_ensure_packages() {
+  local missing=()
+  for p in "${dparallel_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  ((${#missing[@]} == 0)) && return 0
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "dparallel needs these Debian packages; install them with:" >&2
+    echo "  sudo apt-get install -y ${missing[*]}" >&2
+    return 1
+  fi
+  echo "Installing missing packages: ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
