@@ -4,3 +4,9 @@ if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   target_compile_options(dparallel_warnings INTERFACE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Werror>)
 endif()
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+  # GCC 12's -Wextra flags every designated initialiser that leaves a defaulted member out
+  # (`dparallel::options{.chunking = ...}`), which is the documented way to pass options.
+  target_compile_options(dparallel_warnings INTERFACE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wno-missing-field-initializers>)
+endif()

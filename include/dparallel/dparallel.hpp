@@ -14,6 +14,7 @@
 #include <dparallel/core/partition.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/data/distributed_sampler.hpp>
 #include <dparallel/backend/host/backend.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>

@@ -101,8 +101,8 @@ class parallel {
                                                       " and " + std::to_string(i));
     }
     device const out = opts.output_device.value_or(devices[0]);
-    auto const it = std::find(devices.begin(), devices.end(), out);
-    detail::require(it != devices.end(),
+    auto const out_slot = static_cast<std::size_t>(std::find(devices.begin(), devices.end(), out) - devices.begin());
+    detail::require(out_slot < devices.size(),
                     "parallel: expected output_device to be one of the wrapper's devices, found " + to_string(out));
     verify_model(model, "parallel: the model");
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, devices[0], "parallel: the model's parameter");
@@ -110,7 +110,7 @@ class parallel {
     rs_.master = &model;
     rs_.devices = std::move(devices);
     rs_.opts = std::move(opts);
-    rs_.output_slot = static_cast<std::size_t>(it - devices.begin());
+    rs_.output_slot = out_slot;
     rs_.models.push_back(&model);
     for (std::size_t i = 1; i < rs_.size(); ++i) {
       rs_.owned.push_back(std::make_unique<Model>(make_replica(std::as_const(model), rs_.devices[i])));

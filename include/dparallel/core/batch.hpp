@@ -139,6 +139,12 @@ auto members_of(T const& b) {
   // clang-format on
 }
 template <class Tuple>
+struct decay_tuple;
+template <class... M>
+struct decay_tuple<std::tuple<M...>> {
+  using type = std::tuple<std::remove_cvref_t<M>...>;
+};
+template <class Tuple>
 struct all_batches;
 template <class... M>
 struct all_batches<std::tuple<M...>> : std::bool_constant<(batch<std::remove_cvref_t<M>> && ...)> {};
@@ -175,10 +181,8 @@ struct batch_traits<B, std::enable_if_t<detail::plain_aggregate<B>>> {
     requires detail::all_batches<decltype(detail::members_of(b))>::value
   {
     auto parts = detail::slice_members(detail::members_of(b), first, last);
-    if constexpr (requires { std::apply([](auto&&... p) { return B{std::move(p)...}; }, std::move(parts)); } &&
-                  std::is_same_v<decltype(parts), std::remove_cvref_t<decltype(std::apply(
-                                                      [](auto const&... m) { return std::make_tuple(m...); },
-                                                      detail::members_of(b)))>>) {
+    using member_types = typename detail::decay_tuple<decltype(detail::members_of(b))>::type;
+    if constexpr (std::is_same_v<decltype(parts), member_types>) {
       return std::apply([](auto&&... p) { return B{std::move(p)...}; }, std::move(parts));
     } else {
       return parts;

@@ -35,7 +35,8 @@ namespace policy {
 
 /// DataParallel: before every step, copy the master's parameters and buffers into every replica
 /// that receives a shard. All tensors of a replica travel as one piece of work on its stream, and
-/// the replicas persist between steps.
+/// the replicas persist between steps. The master's own step waits for these copies, so a step
+/// function may update the master's buffers (running statistics) without racing them.
 struct replicate_each_step {
   template <class Set>
   void on_construct(Set&) {}
@@ -50,7 +51,7 @@ struct replicate_each_step {
       dst.insert(dst.end(), s.bufs[i].begin(), s.bufs[i].end());
       src.insert(src.end(), s.bufs[0].begin(), s.bufs[0].end());
       s.streams[i]->wait(master_ready);
-      backend::copy_all(*s.streams[i], std::move(dst), std::move(src));
+      s.streams[0]->wait(backend::copy_all(*s.streams[i], std::move(dst), std::move(src)));
     }
   }
 };

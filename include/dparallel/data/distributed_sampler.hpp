@@ -1,0 +1,182 @@
+#pragma once
+// distributed_sampler: which samples of a dataset each rank reads in an epoch, with the
+// partitioning rules of PyTorch's torch.utils.data.DistributedSampler.
+//
+// For a dataset of `len` samples and `n` replicas:
+//   num_samples = drop_last ? floor(len / n) : ceil(len / n)      (per rank; size())
+//   total_size  = num_samples * n
+// The epoch's order is a permutation of 0..len-1 (shuffle) or 0..len-1 itself (no shuffle).
+// Without drop_last the order is padded to total_size by repeating it from its start, as often
+// as needed (len = 2, n = 5: 0 1 | 0 1 0); with drop_last its tail beyond total_size is dropped.
+// Rank r takes every n-th entry starting at r: padded[r], padded[r + n], ...
+// (Python: indices[rank:total_size:num_replicas]).
+//
+// The one deliberate difference from PyTorch: the shuffled order. PyTorch draws it with
+// torch.randperm from a torch.Generator seeded with seed + epoch; this sampler draws it from its
+// own generator seeded with seed + epoch (see detail::epoch_permutation), so the permutation
+// differs from torch's, but it is identical on every rank, compiler, standard library and
+// platform, and everything after the permutation follows the rules above exactly.
+// seed + epoch is computed modulo 2^64.
+
+#include <dparallel/config.hpp>
+#include <dparallel/core/error.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+/// Options of distributed_sampler; the defaults are DistributedSampler's.
+struct sampler_options {
+  bool shuffle = true;     ///< draw a new order every epoch (from seed + epoch)
+  std::uint64_t seed = 0;  ///< must be the same on every rank
+  bool drop_last = false;  ///< drop the tail instead of padding, so no sample is read twice
+};
+
+/// Anything that knows its rank and the number of ranks, e.g. a rank_context of a process group.
+/// Both member functions must be callable on a const object.
+template <class R>
+concept rank_source = requires(R const& r) {
+  { r.rank() } -> std::convertible_to<int>;
+  { r.world_size() } -> std::convertible_to<int>;
+};
+
+namespace detail {
+
+/// SplitMix64 (Steele, Lea, Flood 2014): 64-bit state, state += 0x9e3779b97f4a7c15 per draw,
+/// then the finaliser below. Fully specified, so its stream is the same everywhere.
+class splitmix64 {
+ public:
+  explicit constexpr splitmix64(std::uint64_t seed) noexcept : state_(seed) {}
+
+  constexpr std::uint64_t operator()() noexcept {
+    state_ += 0x9e3779b97f4a7c15ULL;
+    std::uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// A uniform integer in [0, bound), bound >= 1, without bias: 64-bit draws below
+/// 2^64 mod bound are rejected, the accepted draw is reduced modulo bound.
+constexpr std::uint64_t uniform_below(splitmix64& gen, std::uint64_t bound) noexcept {
+  std::uint64_t const reject_below = (0 - bound) % bound;  // 2^64 mod bound
+  for (;;) {
+    std::uint64_t const x = gen();
+    if (x >= reject_below) return x % bound;
+  }
+}
+
+/// The shuffled order of epoch `epoch`: a permutation of 0..len-1 by Fisher-Yates driven by
+/// splitmix64(seed + epoch): p = 0..len-1; for i = len-1 down to 1: swap(p[i], p[uniform_below(i+1)]).
+/// The same on every rank and platform; not the permutation torch.randperm would give.
+inline std::vector<std::size_t> epoch_permutation(std::size_t len, std::uint64_t seed, std::uint64_t epoch) {
+  std::vector<std::size_t> p(len);
+  for (std::size_t i = 0; i < len; ++i) p[i] = i;
+  splitmix64 gen(seed + epoch);
+  for (std::size_t i = len; i > 1; --i) {
+    auto const j = static_cast<std::size_t>(uniform_below(gen, static_cast<std::uint64_t>(i)));
+    std::swap(p[i - 1], p[j]);
+  }
+  return p;
+}
+
+}  // namespace detail
+
+/// The samples of one rank, epoch by epoch (torch.utils.data.DistributedSampler).
+///
+///   dparallel::distributed_sampler sampler(dataset.size(), rank, {.shuffle = true, .seed = 42});
+///   for (std::uint64_t epoch = 0; epoch < epochs; ++epoch) {
+///     sampler.set_epoch(epoch);             // same epoch on every rank, before iterating
+///     for (std::size_t i : sampler) use(dataset[i]);
+///   }
+///
+/// Every rank holds size() indices, the same count on all ranks, so all ranks run the same number
+/// of steps. The indices of the current epoch are computed when the sampler is made and when
+/// set_epoch() changes the epoch; iterators stay valid until then.
+class distributed_sampler {
+ public:
+  using value_type = std::size_t;
+  using const_iterator = std::vector<std::size_t>::const_iterator;
+  using iterator = const_iterator;
+
+  /// Rank `rank` of `num_replicas` over a dataset of `dataset_size` samples. Throws
+  /// invalid_argument when num_replicas < 1 or rank is outside [0, num_replicas).
+  distributed_sampler(std::size_t dataset_size, int num_replicas, int rank, sampler_options options = {})
+      : dataset_size_(dataset_size), num_replicas_(num_replicas), rank_(rank), options_(options) {
+    detail::require(num_replicas >= 1, "distributed_sampler: expected num_replicas >= 1, found " +
+                                           std::to_string(num_replicas) +
+                                           "; pass the number of ranks in the group (its world size)");
+    detail::require(rank >= 0 && rank < num_replicas,
+                    "distributed_sampler: expected a rank in [0, " + std::to_string(num_replicas - 1) +
+                        "] for num_replicas = " + std::to_string(num_replicas) + ", found rank " +
+                        std::to_string(rank) + "; pass this process's rank within the group");
+    auto const n = static_cast<std::size_t>(num_replicas);
+    num_samples_ = options_.drop_last ? dataset_size / n : dataset_size / n + (dataset_size % n != 0 ? 1 : 0);
+    compute_indices();
+  }
+
+  /// Rank and number of ranks taken from `r` (r.rank(), r.world_size()).
+  template <rank_source R>
+  distributed_sampler(std::size_t dataset_size, R const& r, sampler_options options = {})
+      : distributed_sampler(dataset_size, static_cast<int>(r.world_size()), static_cast<int>(r.rank()), options) {}
+
+  /// Selects the epoch whose order is used (seed + epoch seeds the shuffle). Call it with the
+  /// same value on every rank before each epoch; without it every epoch has the same order.
+  void set_epoch(std::uint64_t epoch) {
+    if (epoch == epoch_) return;
+    epoch_ = epoch;
+    compute_indices();
+  }
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
+
+  /// Indices this rank reads per epoch (DistributedSampler's num_samples, len(sampler)).
+  [[nodiscard]] std::size_t size() const noexcept { return num_samples_; }
+  /// Indices all ranks read together per epoch: size() * num_replicas().
+  [[nodiscard]] std::size_t total_size() const noexcept {
+    return num_samples_ * static_cast<std::size_t>(num_replicas_);
+  }
+  /// This rank's indices for the current epoch, in order.
+  [[nodiscard]] std::vector<std::size_t> const& indices() const noexcept { return indices_; }
+  [[nodiscard]] const_iterator begin() const noexcept { return indices_.begin(); }
+  [[nodiscard]] const_iterator end() const noexcept { return indices_.end(); }
+
+  [[nodiscard]] int num_replicas() const noexcept { return num_replicas_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] std::size_t dataset_size() const noexcept { return dataset_size_; }
+  [[nodiscard]] sampler_options const& options() const noexcept { return options_; }
+
+ private:
+  // Entry k of this rank is padded[rank + k * n], where padded[i] = order[i % len]: padding
+  // repeats the order from its start, and with drop_last total_size <= len so no entry wraps.
+  void compute_indices() {
+    indices_.assign(num_samples_, 0);
+    if (num_samples_ == 0) return;  // also covers dataset_size_ == 0
+    auto const n = static_cast<std::size_t>(num_replicas_);
+    auto const r = static_cast<std::size_t>(rank_);
+    if (options_.shuffle) {
+      std::vector<std::size_t> const order = detail::epoch_permutation(dataset_size_, options_.seed, epoch_);
+      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = order[(r + k * n) % dataset_size_];
+    } else {
+      for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = (r + k * n) % dataset_size_;
+    }
+  }
+
+  std::size_t dataset_size_;
+  int num_replicas_;
+  int rank_;
+  sampler_options options_;
+  std::uint64_t epoch_ = 0;
+  std::size_t num_samples_ = 0;
+  std::vector<std::size_t> indices_;
+};
+
+DPARALLEL_NAMESPACE_END

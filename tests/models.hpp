@@ -1,0 +1,132 @@
+#pragma once
+// Test models: ordinary user types adapted to dparallel, with a one-device reference.
+#include <dparallel/dparallel.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace test {
+
+/// Deterministic generator for test data (splitmix64).
+struct rng {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  int small_int(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<std::uint64_t>(hi - lo + 1)); }
+};
+
+/// A batch of n samples: x is n x dim, y is n.
+template <class T>
+struct samples {
+  dparallel::tensor_view<const T> x;
+  dparallel::tensor_view<const T> y;
+};
+
+template <class T>
+struct dataset {
+  std::size_t n = 0, dim = 0;
+  std::vector<T> x, y;
+  samples<T> all() const { return {dparallel::tensor_view<const T>(x.data(), x.size(), n), dparallel::view(y)}; }
+  /// Random data; with `exact`, small integers so that every sum in the tests is exact.
+  static dataset make(std::size_t n, std::size_t dim, std::uint64_t seed, bool exact) {
+    dataset d{n, dim, std::vector<T>(n * dim), std::vector<T>(n)};
+    rng g{seed};
+    for (auto& v : d.x) v = exact ? static_cast<T>(g.small_int(-3, 3)) : static_cast<T>(g.uniform() * 2 - 1);
+    for (auto& v : d.y) v = exact ? static_cast<T>(g.small_int(-4, 4)) : static_cast<T>(g.uniform() * 2 - 1);
+    return d;
+  }
+};
+
+/// Linear regression y ~ w.x + b with loss 0.5 (w.x + b - y)^2, and a non-trained buffer that
+/// counts the samples this replica has seen (replicated, never reduced).
+template <class T>
+struct linreg {
+  std::vector<T> w, b{0}, gw, gb{0}, seen{0};
+  explicit linreg(std::size_t dim = 4, std::uint64_t seed = 1) : w(dim), gw(dim) {
+    rng g{seed};
+    for (auto& v : w) v = static_cast<T>(g.small_int(-2, 2));
+    b[0] = 1;
+  }
+  auto parameters() { return std::array{dparallel::view(w), dparallel::view(b)}; }
+  auto gradients() { return std::array{dparallel::view(gw), dparallel::view(gb)}; }
+  auto buffers() { return std::array{dparallel::view(seen)}; }
+
+  /// Fills gw, gb with the gradient of the mean loss over the shard; returns the mean loss.
+  T forward_backward(samples<T> const& s) {
+    std::size_t const n = s.x.rows(), dim = w.size();
+    std::fill(gw.begin(), gw.end(), T(0));
+    gb[0] = 0;
+    T loss = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      T pred = b[0];
+      for (std::size_t j = 0; j < dim; ++j) pred += w[j] * s.x[i * dim + j];
+      T const r = pred - s.y[i];
+      loss += T(0.5) * r * r;
+      for (std::size_t j = 0; j < dim; ++j) gw[j] += r * s.x[i * dim + j];
+      gb[0] += r;
+    }
+    T const inv = T(1) / static_cast<T>(n);
+    for (auto& g : gw) g *= inv;
+    gb[0] *= inv;
+    seen[0] += static_cast<T>(n);
+    return loss * inv;
+  }
+  /// Per-sample predictions (a vector output to gather).
+  std::vector<T> predict(samples<T> const& s) const {
+    std::vector<T> out(s.x.rows());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      T pred = b[0];
+      for (std::size_t j = 0; j < w.size(); ++j) pred += w[j] * s.x[i * w.size() + j];
+      out[i] = pred;
+    }
+    return out;
+  }
+  void sgd(T lr) {
+    for (std::size_t j = 0; j < w.size(); ++j) w[j] -= lr * gw[j];
+    b[0] -= lr * gb[0];
+  }
+};
+
+/// All parameters and gradients flattened, for comparisons.
+template <class M>
+std::vector<double> flat(M& m, bool grads) {
+  std::vector<double> out;
+  for (auto const& t : grads ? dparallel::gradient_refs(m) : dparallel::parameter_refs(m)) {
+    if (t.dtype() == dparallel::dtype::f32)
+      for (float v : t.template as<float>()) out.push_back(v);
+    else
+      for (double v : t.template as<double>()) out.push_back(v);
+  }
+  return out;
+}
+
+/// ||a - b|| / ||b|| (0 when both are 0).
+inline double rel_error(std::vector<double> const& a, std::vector<double> const& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+/// Bitwise equality of all parameters of two models.
+template <class M>
+bool same_bits(M& a, M& b) {
+  auto pa = dparallel::parameter_refs(a), pb = dparallel::parameter_refs(b);
+  if (pa.size() != pb.size()) return false;
+  for (std::size_t i = 0; i < pa.size(); ++i)
+    if (pa[i].size_bytes() != pb[i].size_bytes() || std::memcmp(pa[i].data(), pb[i].data(), pa[i].size_bytes()) != 0)
+      return false;
+  return true;
+}
+
+}  // namespace test

@@ -1,0 +1,123 @@
+// The host backend: streams keep order, events wait, errors surface at the wait, kernels compute.
+#include <dparallel/dparallel.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace dp = dparallel;
+
+TEST_CASE("a host stream runs work in order on its own thread", "[host][stream]") {
+  dp::host::stream s(0);
+  std::vector<int> seen;
+  std::thread::id worker;
+  for (int i = 0; i < 100; ++i) s.enqueue([&, i] {
+      seen.push_back(i);
+      worker = std::this_thread::get_id();
+    });
+  s.synchronize();
+  REQUIRE(seen.size() == 100);
+  for (int i = 0; i < 100; ++i) CHECK(seen[static_cast<std::size_t>(i)] == i);
+  CHECK(worker != std::this_thread::get_id());
+}
+
+TEST_CASE("a stream waits for another stream's event", "[host][stream][event]") {
+  dp::host::stream a(0), b(1);
+  std::atomic<int> value{0};
+  std::promise<void> go;
+  auto gate = go.get_future().share();
+  auto ev = a.enqueue([&] {
+    gate.wait();
+    value = 42;
+  });
+  int seen = -1;
+  b.wait(ev);
+  auto done = b.enqueue([&] { seen = value.load(); });
+  CHECK_FALSE(done.wait_for(std::chrono::milliseconds(20)));  // b is held back by a's event
+  go.set_value();
+  done.wait();
+  CHECK(seen == 42);
+}
+
+TEST_CASE("an exception in device work surfaces at the wait, names the device, and is cleared",
+          "[host][stream][error]") {
+  dp::host::stream s(5);
+  auto bad = s.enqueue([] { throw std::runtime_error("kernel failed"); });
+  int ran = 0;
+  auto later = s.enqueue([&] { ++ran; });
+  CHECK_THROWS_WITH(bad.wait(), Catch::Contains("on device 5") && Catch::Contains("kernel failed"));
+  CHECK_THROWS_AS(later.wait(), dp::device_error);  // sticky: later work is skipped
+  CHECK(ran == 0);
+  try {
+    s.synchronize();
+    FAIL("synchronize must rethrow the stream's error");
+  } catch (dp::device_error const& e) {
+    CHECK(e.device() == 5);
+    try {
+      std::rethrow_if_nested(e);
+      FAIL("the original exception must be nested");
+    } catch (std::runtime_error const& inner) {
+      CHECK(std::string(inner.what()) == "kernel failed");
+    }
+  }
+  s.enqueue([&] { ++ran; });
+  s.synchronize();  // the error was cleared
+  CHECK(ran == 1);
+}
+
+TEST_CASE("an error carried by a waited event fails the waiting stream", "[host][stream][error]") {
+  dp::host::stream a(1), b(2);
+  auto bad = a.enqueue([] { throw std::logic_error("x"); });
+  b.wait(bad);
+  auto after = b.enqueue([] {});
+  try {
+    after.wait();
+    FAIL("expected the error of device 1");
+  } catch (dp::device_error const& e) {
+    CHECK(e.device() == 1);
+  }
+  CHECK_THROWS_AS(a.synchronize(), dp::device_error);
+  CHECK_THROWS_AS(b.synchronize(), dp::device_error);
+}
+
+TEST_CASE("host kernels: copy, scale, add_scaled, weighted_sum", "[host][kernels]") {
+  std::vector<double> a{1, 2, 3}, b{10, 20, 30}, c(3);
+  dp::host::copy(dp::view(c), dp::view(a));
+  CHECK(c == a);
+  dp::host::scale(dp::view(c), 2.0);
+  CHECK(c == std::vector<double>{2, 4, 6});
+  dp::host::add_scaled(dp::view(c), dp::view(b), 0.5);
+  CHECK(c == std::vector<double>{7, 14, 21});
+  std::vector<dp::tensor_ref> srcs{dp::view(a), dp::view(b)};
+  std::vector<double> w{0.25, 0.75};
+  dp::host::weighted_sum(dp::view(a), srcs, w);  // in place on the first source
+  CHECK(a == std::vector<double>{7.75, 15.5, 23.25});
+
+  // Longer than one tile, float.
+  std::vector<float> x(5000), y(5000), z(5000);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = static_cast<float>(i);
+    y[i] = 2.0f * static_cast<float>(i);
+  }
+  std::vector<dp::tensor_ref> s2{dp::view(x), dp::view(y)};
+  std::vector<double> w2{0.5, 0.5};
+  dp::host::weighted_sum(dp::view(z), s2, w2);
+  for (std::size_t i = 0; i < z.size(); ++i) REQUIRE(z[i] == 0.5f * x[i] + 0.5f * y[i]);
+
+  std::vector<float> shortv(3);
+  CHECK_THROWS_AS(dp::host::copy(dp::view(shortv), dp::view(a)), dp::invalid_argument);
+  std::vector<std::int32_t> ints(3);
+  CHECK_THROWS_WITH(dp::host::scale(dp::view(ints), 2.0), Catch::Contains("reduces F32 and F64, found I32"));
+}
+
+TEST_CASE("host::devices validates its count", "[host]") {
+  CHECK(dp::host::devices(3).size() == 3);
+  CHECK(dp::host::devices(3)[2] == dp::device{dp::device_kind::host, 2});
+  CHECK_THROWS_AS(dp::host::devices(0), dp::invalid_argument);
+  CHECK_FALSE(dp::host::backend::all_devices().empty());
+}
