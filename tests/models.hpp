@@ -130,3 +130,86 @@ bool same_bits(M& a, M& b) {
 }
 
 }  // namespace test
+
+namespace test {
+
+/// Linear regression whose weights are split over several parameter tensors of different sizes
+/// (so DDP has several gradients to bucket), with a buffer. With a step_context, backward marks
+/// each gradient ready as soon as it is computed, last parameter first (as autograd would), and
+/// calls `between(i)` after each mark (tests use it to observe overlap).
+template <class T>
+struct chunked {
+  std::vector<std::vector<T>> w, g;
+  std::vector<T> stats{0};
+  std::size_t dim = 0;
+  explicit chunked(std::vector<std::size_t> sizes = {3, 5, 1, 8, 2, 4}, std::uint64_t seed = 1) {
+    rng r{seed};
+    for (std::size_t s : sizes) {
+      std::vector<T> v(s);
+      for (auto& x : v) x = static_cast<T>(r.small_int(-2, 2));
+      w.push_back(v);
+      g.emplace_back(s, T(0));
+      dim += s;
+    }
+  }
+  std::vector<dparallel::tensor_view<T>> parameters() {
+    std::vector<dparallel::tensor_view<T>> out;
+    for (auto& v : w) out.push_back(dparallel::view(v));
+    return out;
+  }
+  std::vector<dparallel::tensor_view<T>> gradients() {
+    std::vector<dparallel::tensor_view<T>> out;
+    for (auto& v : g) out.push_back(dparallel::view(v));
+    return out;
+  }
+  auto buffers() { return std::array{dparallel::view(stats)}; }
+
+  template <class Between = void (*)(std::size_t)>
+  T forward_backward(samples<T> const& s, dparallel::step_context* ctx = nullptr,
+                     Between between = [](std::size_t) {}) {
+    std::size_t const n = s.x.rows();
+    std::vector<T> r(n);
+    T loss = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      T pred = 0;
+      std::size_t col = 0;
+      for (auto const& v : w)
+        for (T x : v) pred += x * s.x[i * dim + col++];
+      r[i] = pred - s.y[i];
+      loss += T(0.5) * r[i] * r[i];
+    }
+    T const inv = T(1) / static_cast<T>(n);
+    std::vector<std::size_t> start(w.size(), 0);
+    for (std::size_t p = 1; p < w.size(); ++p) start[p] = start[p - 1] + w[p - 1].size();
+    for (std::size_t p = w.size(); p-- > 0;) {
+      for (std::size_t j = 0; j < g[p].size(); ++j) {
+        T acc = 0;
+        for (std::size_t i = 0; i < n; ++i) acc += r[i] * s.x[i * dim + start[p] + j];
+        g[p][j] = acc * inv;
+      }
+      if (ctx != nullptr) {
+        ctx->grad_ready(p);
+        between(p);
+      }
+    }
+    stats[0] += static_cast<T>(n);
+    return loss * inv;
+  }
+  void sgd(T lr) {
+    for (std::size_t p = 0; p < w.size(); ++p)
+      for (std::size_t j = 0; j < w[p].size(); ++j) w[p][j] -= lr * g[p][j];
+  }
+};
+
+/// FNV-1a over the bytes of every parameter: a per-rank fingerprint for "replicas identical".
+template <class M>
+std::uint64_t param_hash(M& m) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (auto const& t : dparallel::parameter_refs(m)) {
+    auto const* p = static_cast<unsigned char const*>(t.data());
+    for (std::size_t i = 0; i < t.size_bytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace test

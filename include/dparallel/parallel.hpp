@@ -5,6 +5,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/host/backend.hpp>
+#include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/batch.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
@@ -12,6 +13,7 @@
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/detail/replica_set.hpp>
+#include <dparallel/policy/bucketed_reduce.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replicate.hpp>
@@ -46,6 +48,23 @@ struct dp {
   using gather = policy::concat_outputs;
 };
 static_assert(semantics<dp>);
+
+/// DistributedDataParallel semantics (torch.nn.parallel.DistributedDataParallel): one replica per
+/// rank of a process group, each rank feeding its own batch (see distributed_sampler); rank 0's
+/// parameters broadcast at construction, gradients averaged by a bucketed all-reduce overlapped
+/// with backward, outputs left local. `distributed` selects the process-group constructor.
+struct ddp {
+  static constexpr bool distributed = true;
+  using scatter = policy::no_scatter;
+  using replicate = policy::broadcast_from_root;
+  using reduce = policy::bucketed_all_reduce;
+  using gather = policy::local_output;
+};
+static_assert(semantics<ddp>);
+
+/// True for bundles whose wrappers span the ranks of a process group (DDP and its variants).
+template <class S>
+inline constexpr bool is_distributed_v = requires { requires S::distributed; };
 
 namespace detail {
 template <class F, class M, class S>
@@ -88,7 +107,9 @@ class parallel {
 
   /// Wraps `model` (by reference: it must outlive the wrapper) over `devices`; devices[0] holds
   /// the master model. Replicas for the other devices are made once, here.
-  explicit parallel(Model& model, std::vector<device> devices = Backend::all_devices(), options opts = {}) {
+  explicit parallel(Model& model, std::vector<device> devices = Backend::all_devices(), options opts = {})
+    requires(!is_distributed_v<Semantics>)
+  {
     static_assert(replicable_model<Model>,
                   "dparallel: DataParallel makes a replica per device: give the model a copy constructor, a member "
                   "`M make_replica(device) const`, or model_traits<M>::make_replica(M const&, device)");
@@ -124,6 +145,29 @@ class parallel {
     reduce_.on_construct(rs_);
   }
 
+  /// DDP: wraps this rank's `model` (by reference) in the process group `group`. Verifies that
+  /// every rank has the same parameters and buffers and broadcasts rank 0's values; every rank
+  /// must construct its wrapper (it is a collective).
+  parallel(Model& model, process_group group, options opts = {})
+    requires(is_distributed_v<Semantics>)
+  {
+    detail::require(group.valid(), "parallel: expected a process group, found an empty process_group");
+    verify_model(model, "DDP on rank " + std::to_string(group.rank()) + ": the model");
+    device const dev = opts.local_device.value_or(device{Backend::kind, group.rank()});
+    Backend::check_device(dev);
+    for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
+    rs_.master = &model;
+    rs_.devices = {dev};
+    rs_.opts = std::move(opts);
+    rs_.group = std::move(group);
+    rs_.models.push_back(&model);
+    rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(dev.index));
+    rs_.compute_done.resize(1);
+    rs_.refresh_views();
+    replicate_.on_construct(rs_);
+    reduce_.on_construct(rs_);
+  }
+
   parallel(parallel const&) = delete;
   parallel& operator=(parallel const&) = delete;
   parallel(parallel&&) noexcept = default;
@@ -135,10 +179,38 @@ class parallel {
   [[nodiscard]] Model const& module() const noexcept { return *rs_.master; }
   /// The model that runs on devices()[i] (replica(0) is module()).
   [[nodiscard]] Model const& replica(std::size_t i) const { return *rs_.models.at(i); }
+  /// Mutable access, for policies that let every replica run its own optimizer.
+  [[nodiscard]] Model& replica(std::size_t i) { return *rs_.models.at(i); }
+  /// The reduce policy object (e.g. to inspect DDP's bucket plan).
+  [[nodiscard]] reduce_type const& reducer() const noexcept { return reduce_; }
+  /// DDP: this rank's process group.
+  [[nodiscard]] process_group const& group() const noexcept { return rs_.group; }
   [[nodiscard]] std::vector<device> const& devices() const noexcept { return rs_.devices; }
   [[nodiscard]] device output_device() const noexcept { return rs_.devices[rs_.output_slot]; }
   /// Shard sizes of the last step, one per device (0 = the device received no shard).
   [[nodiscard]] std::vector<std::size_t> const& last_shard_sizes() const noexcept { return rs_.shard_sizes; }
+
+  /// RAII scope returned by no_sync().
+  class [[nodiscard]] no_sync_scope {
+   public:
+    explicit no_sync_scope(parallel& p) : p_(&p), previous_(p.rs_.sync) { p.rs_.sync = false; }
+    no_sync_scope(no_sync_scope const&) = delete;
+    no_sync_scope& operator=(no_sync_scope const&) = delete;
+    ~no_sync_scope() { p_->rs_.sync = previous_; }
+
+   private:
+    parallel* p_;
+    bool previous_;
+  };
+  /// DDP gradient accumulation: steps inside the scope reduce nothing; their gradients are
+  /// accumulated locally (weighted by batch size) and the first step after the scope reduces the
+  /// weighted mean of all of them. `{ auto s = ddp.no_sync(); ddp.step(b1, f); } ddp.step(b2, f);`
+  /// gives the gradient of one step on b1 and b2 together.
+  no_sync_scope no_sync()
+    requires(is_distributed_v<Semantics>)
+  {
+    return no_sync_scope(*this);
+  }
 
   /// Runs one training step: the step function runs once per shard, on that shard's device, as
   /// step_fn(Model& replica, Shard shard, step_context& ctx) or step_fn(Model&, Shard); it must
@@ -153,9 +225,25 @@ class parallel {
                   "dparallel: the step function must be callable as f(Model&, Shard, dparallel::step_context&) or "
                   "f(Model&, Shard), Shard being the batch's slice type");
     using out_type = typename detail::step_result<F, Model, shard_type>::type;
+
+    if constexpr (is_distributed_v<Semantics>) {
+      // A failure on one rank must not leave the others waiting: abort the group, naming us.
+      try {
+        return run_step<out_type, shard_type>(batch, step_fn);
+      } catch (std::exception const& e) {
+        rs_.group.abort(std::string("rank ") + std::to_string(rs_.rank()) + " failed in step(): " + e.what());
+        throw;
+      }
+    } else {
+      return run_step<out_type, shard_type>(batch, step_fn);
+    }
+  }
+
+ private:
+  template <class out_type, class shard_type, class B, class F>
+  auto run_step(B const& batch, F& step_fn) {
     constexpr bool returns_value = !std::is_void_v<out_type>;
     using slot_type = std::conditional_t<returns_value, std::optional<out_type>, char>;
-
     plan(batch_size(batch));
     rs_.refresh_views();
     std::vector<slot_type> outs(rs_.size());
@@ -171,6 +259,8 @@ class parallel {
       info.offset = rs_.shard_offsets[i];
       info.size = rs_.shard_sizes[i];
       info.batch = rs_.batch;
+      info.rank = rs_.rank();
+      info.world_size = rs_.world_size();
       ctx[i] = step_context(info, &parallel::ready_trampoline, this);
       rs_.compute_done[i] = rs_.streams[i]->enqueue([&, i] {
         auto shard = slice_batch(batch, rs_.shard_offsets[i], rs_.shard_offsets[i] + rs_.shard_sizes[i]);
@@ -196,7 +286,6 @@ class parallel {
     }
   }
 
- private:
   // On an exception between the first enqueue and the final synchronize, the streams must finish
   // before the step's locals (which the queued work references) go away.
   struct sync_guard {
@@ -272,8 +361,12 @@ class parallel {
   reduce_type reduce_{};
 };
 
-/// torch.nn.DataParallel's counterpart on the host backend.
+/// torch.nn.DataParallel's counterpart (host backend by default).
 template <class Model, class Backend = host::backend>
 using data_parallel = parallel<Model, dp, Backend>;
+
+/// torch.nn.parallel.DistributedDataParallel's counterpart (host backend by default).
+template <class Model, class Backend = host::backend>
+using distributed_data_parallel = parallel<Model, ddp, Backend>;
 
 DPARALLEL_NAMESPACE_END

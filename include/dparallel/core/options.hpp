@@ -23,6 +23,19 @@ struct options {
   std::vector<double> chunk_weights;
   /// With chunking::sizes: one shard size per device, summing to each batch's size.
   std::vector<std::size_t> chunk_sizes;
+
+  // --- DistributedDataParallel ---
+  /// Bucket capacity in MiB (PyTorch's bucket_cap_mb); fractions allowed (tests force many buckets).
+  double bucket_cap_mb = 25.0;
+  /// Capacity of the first bucket in MiB, small so that communication starts early.
+  double first_bucket_cap_mb = 1.0;
+  /// Broadcast rank 0's buffers (running statistics) to every rank before each step.
+  bool broadcast_buffers = true;
+  /// Tolerate parameters that a step which uses step_context::grad_ready never marks ready: they
+  /// contribute a zero gradient instead of raising an error.
+  bool find_unused_parameters = false;
+  /// The device of this rank's replica; default: device index = rank on the host backend.
+  std::optional<device> local_device;
 };
 
 DPARALLEL_NAMESPACE_END

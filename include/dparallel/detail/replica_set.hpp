@@ -3,6 +3,7 @@
 // each device, and the shard plan of the current step.
 
 #include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
@@ -29,6 +30,8 @@ struct replica_set {
   std::vector<std::unique_ptr<stream_type>> streams;  ///< streams[i] is devices[i]'s queue
   dparallel::options opts;
   std::size_t output_slot = 0;         ///< index in devices of options::output_device
+  process_group group;                 ///< DDP: this rank's group; empty for DataParallel
+  bool sync = true;                    ///< false inside no_sync(): reduce nothing, accumulate
 
   // Refreshed at the start of every step (models may reallocate their storage between steps).
   std::vector<std::vector<tensor_ref>> params, grads, bufs;
@@ -40,6 +43,8 @@ struct replica_set {
   std::vector<event_type> compute_done;    ///< per device: the step function's completion
 
   [[nodiscard]] std::size_t size() const noexcept { return devices.size(); }
+  [[nodiscard]] int rank() const { return group.valid() ? group.rank() : 0; }
+  [[nodiscard]] int world_size() const { return group.valid() ? group.size() : 1; }
   [[nodiscard]] bool active(std::size_t i) const noexcept { return shard_sizes[i] != 0; }
   [[nodiscard]] double weight(std::size_t i) const noexcept {
     return static_cast<double>(shard_sizes[i]) / static_cast<double>(batch);

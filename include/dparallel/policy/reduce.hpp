@@ -54,5 +54,21 @@ struct reduce_to_master {
 };
 static_assert(reduce_policy<reduce_to_master>);
 
+/// DataParallel where every replica ends the step with the reduced gradient (so each replica can
+/// run its own optimizer; pair it with replicate_once): reduce_to_master, then the master's
+/// gradients are copied to every other replica, bitwise identical.
+struct all_reduce_replicas : reduce_to_master {
+  template <class Set>
+  void finish(Set& s) {
+    reduce_to_master::finish(s);
+    auto const reduced = s.streams[0]->record();
+    for (std::size_t i = 1; i < s.size(); ++i) {
+      s.streams[i]->wait(reduced);
+      Set::backend_type::copy_all(*s.streams[i], s.grads[i], s.grads[0]);
+    }
+  }
+};
+static_assert(reduce_policy<all_reduce_replicas>);
+
 }  // namespace policy
 DPARALLEL_NAMESPACE_END

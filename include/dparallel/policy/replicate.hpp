@@ -2,11 +2,14 @@
 // Replicate policies: how replicas get the master's parameters and buffers.
 
 #include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/detail/replica_set.hpp>
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -56,6 +59,114 @@ struct replicate_each_step {
   }
 };
 static_assert(replicate_policy<replicate_each_step>);
+
+/// DataParallel whose replicas keep their own parameters (each runs its own optimizer, as with
+/// policy::all_reduce_replicas): the master's parameters and buffers are copied once, at
+/// construction.
+struct replicate_once {
+  template <class Set>
+  void on_construct(Set& s) {
+    for (std::size_t i = 1; i < s.size(); ++i) {
+      std::vector<tensor_ref> dst = s.params[i], src = s.params[0];
+      dst.insert(dst.end(), s.bufs[i].begin(), s.bufs[i].end());
+      src.insert(src.end(), s.bufs[0].begin(), s.bufs[0].end());
+      Set::backend_type::copy_all(*s.streams[i], std::move(dst), std::move(src));
+      s.streams[i]->synchronize();
+    }
+  }
+  template <class Set>
+  void before_step(Set&) {}
+};
+static_assert(replicate_policy<replicate_once>);
+
+}  // namespace policy
+
+namespace detail {
+/// Broadcasts every tensor from rank 0; waits for all of them.
+inline void broadcast_from_root(process_group const& g, std::vector<tensor_ref> const& tensors) {
+  std::vector<work> pending;
+  pending.reserve(tensors.size());
+  for (auto const& t : tensors) pending.push_back(g.broadcast(t, 0));
+  try {
+    for (auto const& w : pending) w.wait();
+  } catch (...) {
+    g.drain();  // the tensors must outlive the collectives
+    throw;
+  }
+}
+
+/// Verifies that every rank's parameters have the count, sizes and dtypes of rank 0's; the same
+/// error is raised on every rank, naming the first rank and parameter that differ.
+inline void verify_across_ranks(process_group const& g, std::vector<tensor_ref> const& params, char const* what) {
+  int const world = g.size();
+  std::vector<std::int64_t> count{static_cast<std::int64_t>(params.size())};
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(world));
+  g.all_gather(view(counts), view(count)).wait();
+  for (int r = 1; r < world; ++r)
+    dparallel::detail::require(counts[static_cast<std::size_t>(r)] == counts[0],
+                               std::string("DDP: rank ") + std::to_string(r) + " has " +
+                                   std::to_string(counts[static_cast<std::size_t>(r)]) + " " + what +
+                                   ", expected rank 0's " + std::to_string(counts[0]) +
+                                   "; every rank must build the same model");
+  std::size_t const n = params.size();
+  std::vector<std::int64_t> mine(2 * n);
+  for (std::size_t i = 0; i < n; ++i) {
+    mine[2 * i] = static_cast<std::int64_t>(params[i].size());
+    mine[2 * i + 1] = static_cast<std::int64_t>(params[i].dtype());
+  }
+  std::vector<std::int64_t> all(2 * n * static_cast<std::size_t>(world));
+  if (n != 0) g.all_gather(view(all), view(mine)).wait();
+  for (int r = 1; r < world; ++r) {
+    for (std::size_t i = 0; i < n; ++i) {
+      auto const at = [&](int rank, std::size_t k) { return all[static_cast<std::size_t>(rank) * 2 * n + k]; };
+      bool const same = at(r, 2 * i) == at(0, 2 * i) && at(r, 2 * i + 1) == at(0, 2 * i + 1);
+      dparallel::detail::require(
+          same, std::string("DDP: rank ") + std::to_string(r) + "'s " + what + " " + std::to_string(i) + " has " +
+                    std::to_string(at(r, 2 * i)) + " elements of " +
+                    std::string(name_of(static_cast<dtype>(at(r, 2 * i + 1)))) + ", expected rank 0's " +
+                    std::to_string(at(0, 2 * i)) + " elements of " +
+                    std::string(name_of(static_cast<dtype>(at(0, 2 * i + 1)))));
+    }
+  }
+}
+}  // namespace detail
+
+namespace policy {
+
+/// DDP: at construction, verify that every rank has the same parameters and buffers (count,
+/// sizes, dtypes) and broadcast rank 0's values; before each step, broadcast rank 0's buffers when
+/// options::broadcast_buffers is set (PyTorch's default).
+struct broadcast_from_root {
+  template <class Set>
+  void on_construct(Set& s) {
+    detail::verify_across_ranks(s.group, s.params[0], "parameters");
+    detail::verify_across_ranks(s.group, s.bufs[0], "buffers");
+    std::vector<tensor_ref> all = s.params[0];
+    all.insert(all.end(), s.bufs[0].begin(), s.bufs[0].end());
+    detail::broadcast_from_root(s.group, all);
+  }
+  template <class Set>
+  void before_step(Set& s) {
+    if (s.opts.broadcast_buffers && !s.bufs[0].empty() && s.world_size() > 1)
+      s.streams[0]->enqueue([&s] { detail::broadcast_from_root(s.group, s.bufs[0]); });
+  }
+};
+static_assert(replicate_policy<broadcast_from_root>);
+
+/// DDP with reduce-to-root (a parameter-server style): rank 0 alone updates the model, so its
+/// parameters and buffers are broadcast to every rank before each step.
+struct broadcast_each_step : broadcast_from_root {
+  template <class Set>
+  void before_step(Set& s) {
+    if (s.world_size() == 1) return;
+    s.streams[0]->enqueue([&s] {
+      std::vector<tensor_ref> all = s.params[0];
+      all.insert(all.end(), s.bufs[0].begin(), s.bufs[0].end());
+      detail::broadcast_from_root(s.group, all);
+    });
+  }
+};
+static_assert(replicate_policy<broadcast_each_step>);
 
 }  // namespace policy
 DPARALLEL_NAMESPACE_END

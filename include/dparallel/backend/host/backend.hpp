@@ -5,11 +5,15 @@
 #include <dparallel/config.hpp>
 #include <dparallel/backend/host/kernels.hpp>
 #include <dparallel/backend/host/stream.hpp>
+#include <dparallel/core/buffer.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <thread>
@@ -44,6 +48,22 @@ struct backend {
     dparallel::detail::require(t.device().kind == device_kind::host,
                                std::string(what) + ": expected host memory on " + to_string(d) + ", found a view on " +
                                    to_string(t.device()));
+  }
+
+  /// Kernels run on the calling thread, which must be the stream's own worker (work already
+  /// ordered on the stream, like a kernel launched from a stream callback).
+  struct immediate {
+    static void copy(tensor_ref dst, tensor_ref src) { host::copy(dst, src); }
+    static void scale(tensor_ref dst, double alpha) { host::scale(dst, alpha); }
+    static void add_scaled(tensor_ref dst, tensor_ref src, double alpha) { host::add_scaled(dst, src, alpha); }
+    static void zero(tensor_ref dst) {
+      if (dst.size() != 0) std::memset(dst.data(), 0, dst.size_bytes());
+    }
+  };
+  /// Owning memory of `bytes` zeroed bytes on a device (bucket storage), 64-byte aligned.
+  static std::shared_ptr<std::byte> allocate(device, std::size_t bytes) {
+    auto owner = std::make_shared<buffer<std::byte>>(bytes);
+    return std::shared_ptr<std::byte>(owner, owner->data());
   }
 
   // Kernels enqueued on a stream by the policies.

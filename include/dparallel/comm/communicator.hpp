@@ -1,0 +1,192 @@
+#pragma once
+// The communicator concept every engine satisfies (host threads here; MPI and NCCL later), and
+// process_group: a cheap, copyable, type-erased handle to any of them.
+//
+// Contract of every engine (each rank holds its own communicator of one group):
+// - collectives are asynchronous: a call enqueues the collective on the rank's communication
+//   thread or stream and returns a work at once; they run in the order issued;
+// - collectives match across ranks by their sequence number: every rank must issue the same
+//   collectives (same op, element count, dtype, root, reduce_op) in the same order;
+// - buffers are modified in place and must stay valid, and untouched by the caller, until the
+//   work is complete (also when the caller gives up on it: abort() then drain() first);
+// - a peer that does not arrive within the timeout, an abort() on any rank and a mismatched
+//   collective make the waits of every rank fail with a comm_error naming the rank at fault.
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/work.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+/// How a reduction combines the ranks' values. `avg` is the sum (in rank order) followed by one
+/// multiplication by T(1) / T(world size), so it is as deterministic as `sum`.
+enum class reduce_op : std::uint8_t { sum, avg };
+
+constexpr std::string_view name_of(reduce_op op) noexcept { return op == reduce_op::sum ? "sum" : "avg"; }
+
+/// What a type must provide to be a communicator: one rank's endpoint of a process group.
+/// - all_reduce(t, op): in place; every rank ends with the reduction of all ranks' t;
+/// - reduce(t, root, op): in place; the reduction lands in root's t (other ranks' t unchanged);
+/// - broadcast(t, root): every rank's t becomes root's t;
+/// - reduce_scatter(out, in, op): in has size()*n elements, out n; rank r's out is the reduction
+///   of every rank's in[r*n, (r+1)*n);
+/// - all_gather(out, in): in has n elements, out size()*n; out[r*n, (r+1)*n) is rank r's in;
+/// - barrier(): completes once every rank has issued it;
+/// - abort(why): every pending and future wait of every rank fails, naming this rank and `why`.
+template <class C>
+concept communicator = requires(C& c, tensor_ref t, tensor_ref u, int root, reduce_op op) {
+  { c.rank() } -> std::same_as<int>;
+  { c.size() } -> std::same_as<int>;
+  { c.all_reduce(t, op) } -> std::same_as<work>;
+  { c.reduce(t, root, op) } -> std::same_as<work>;
+  { c.broadcast(t, root) } -> std::same_as<work>;
+  { c.reduce_scatter(t, u, op) } -> std::same_as<work>;
+  { c.all_gather(t, u) } -> std::same_as<work>;
+  { c.barrier() } -> std::same_as<work>;
+  c.abort(std::string("why"));
+};
+
+namespace detail {
+
+/// The virtual interface behind process_group: one virtual call per collective, never per element.
+class communicator_interface {
+ public:
+  virtual ~communicator_interface() = default;
+  [[nodiscard]] virtual int rank() const = 0;
+  [[nodiscard]] virtual int size() const = 0;
+  virtual work all_reduce(tensor_ref t, reduce_op op) = 0;
+  virtual work reduce(tensor_ref t, int root, reduce_op op) = 0;
+  virtual work broadcast(tensor_ref t, int root) = 0;
+  virtual work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op) = 0;
+  virtual work all_gather(tensor_ref out, tensor_ref in) = 0;
+  virtual work barrier() = 0;
+  virtual void abort(std::string why) = 0;
+  [[nodiscard]] virtual std::chrono::milliseconds timeout() const = 0;
+  virtual void set_timeout(std::chrono::milliseconds t) = 0;
+  [[nodiscard]] virtual std::uint64_t completed_ops() const = 0;
+  virtual void drain() = 0;
+};
+
+/// Wraps a communicator C. Members C may lack (timeout, set_timeout, completed_ops, drain) get
+/// neutral stand-ins: a stored timeout, 0 completed operations, a drain that returns at once.
+template <communicator C>
+class communicator_model final : public communicator_interface {
+ public:
+  explicit communicator_model(std::shared_ptr<C> c) : c_(std::move(c)) {}
+
+  [[nodiscard]] int rank() const override { return c_->rank(); }
+  [[nodiscard]] int size() const override { return c_->size(); }
+  work all_reduce(tensor_ref t, reduce_op op) override { return c_->all_reduce(t, op); }
+  work reduce(tensor_ref t, int root, reduce_op op) override { return c_->reduce(t, root, op); }
+  work broadcast(tensor_ref t, int root) override { return c_->broadcast(t, root); }
+  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op) override { return c_->reduce_scatter(out, in, op); }
+  work all_gather(tensor_ref out, tensor_ref in) override { return c_->all_gather(out, in); }
+  work barrier() override { return c_->barrier(); }
+  void abort(std::string why) override { c_->abort(std::move(why)); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const override {
+    if constexpr (requires { c_->timeout(); }) {
+      return std::chrono::milliseconds(c_->timeout());
+    } else {
+      return timeout_;
+    }
+  }
+  void set_timeout(std::chrono::milliseconds t) override {
+    if constexpr (requires { c_->set_timeout(t); }) {
+      c_->set_timeout(t);
+    } else {
+      timeout_ = t;
+    }
+  }
+  [[nodiscard]] std::uint64_t completed_ops() const override {
+    if constexpr (requires { c_->completed_ops(); }) {
+      return static_cast<std::uint64_t>(c_->completed_ops());
+    } else {
+      return 0;
+    }
+  }
+  void drain() override {
+    if constexpr (requires { c_->drain(); }) c_->drain();
+  }
+
+ private:
+  std::shared_ptr<C> c_;
+  std::chrono::milliseconds timeout_ = std::chrono::seconds(300);
+};
+
+}  // namespace detail
+
+/// A copyable handle to one rank's communicator, whatever its engine; copies share it (the last
+/// copy destroyed releases the communicator, which joins its thread). The members mirror the
+/// communicator concept, plus the timeout and a few observers. A default-constructed group is
+/// empty: every member but valid() throws invalid_argument.
+///
+/// One thread at a time should issue a rank's collectives (their order is the matching order);
+/// work handles may be waited on from any thread.
+class process_group {
+ public:
+  process_group() = default;
+
+  /// Shares ownership of `c`.
+  template <communicator C>
+  explicit process_group(std::shared_ptr<C> c) {
+    dparallel::detail::require(c != nullptr, "process_group: expected a communicator, found a null pointer");
+    impl_ = std::make_shared<detail::communicator_model<C>>(std::move(c));
+  }
+
+  [[nodiscard]] bool valid() const noexcept { return impl_ != nullptr; }
+
+  /// This rank, in [0, size()).
+  [[nodiscard]] int rank() const { return get().rank(); }
+  /// Number of ranks in the group.
+  [[nodiscard]] int size() const { return get().size(); }
+
+  work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) const { return get().all_reduce(t, op); }
+  work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) const { return get().reduce(t, root, op); }
+  work broadcast(tensor_ref t, int root) const { return get().broadcast(t, root); }
+  /// `out` has n elements, `in` size()*n; `out` may be in's block rank() (in place) or disjoint from `in`.
+  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) const {
+    return get().reduce_scatter(out, in, op);
+  }
+  /// `in` has n elements, `out` size()*n; `in` may be out's block rank() (in place) or disjoint from `out`.
+  work all_gather(tensor_ref out, tensor_ref in) const { return get().all_gather(out, in); }
+  work barrier() const { return get().barrier(); }
+  /// Every pending and future wait on every rank fails with a comm_error naming this rank and `why`.
+  void abort(std::string why) const { get().abort(std::move(why)); }
+
+  /// How long a collective of this rank waits for its peers before failing with timeout_error.
+  [[nodiscard]] std::chrono::milliseconds timeout() const { return get().timeout(); }
+  /// Applies to the collectives this rank issues after the call.
+  void set_timeout(std::chrono::milliseconds t) {
+    dparallel::detail::require(t.count() > 0, "process_group::set_timeout: expected a positive timeout, found " +
+                                                  std::to_string(t.count()) + " ms");
+    get().set_timeout(t);
+  }
+  /// Number of collectives this rank has finished (successfully or not).
+  [[nodiscard]] std::uint64_t completed_ops() const { return get().completed_ops(); }
+  /// Blocks until every collective this rank issued has finished, successfully or not; never
+  /// rethrows their failures. After abort(), this returns at once-ish; use it before freeing the
+  /// buffers of works nobody will wait on.
+  void drain() const { get().drain(); }
+
+ private:
+  [[nodiscard]] detail::communicator_interface& get() const {
+    dparallel::detail::require(impl_ != nullptr,
+                               "process_group: this handle is empty (default-constructed); obtain one from "
+                               "host::make_group, spawn's rank_context or another engine");
+    return *impl_;
+  }
+  std::shared_ptr<detail::communicator_interface> impl_;
+};
+
+static_assert(communicator<process_group>);
+
+DPARALLEL_NAMESPACE_END

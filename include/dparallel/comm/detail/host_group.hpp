@@ -1,0 +1,355 @@
+#pragma once
+// The state the thread ranks of one host process group share, and the protocol by which each
+// rank's communication thread runs a collective over the other ranks' buffers in place.
+//
+// Protocol for the collective with sequence number `seq` (1, 2, ...), run by rank r's thread:
+//  1. arrive: under the group mutex, publish (seq, the call, the buffers) and wait until every
+//     rank has published `seq` (or the group failed, or a rank closed before `seq`, or the
+//     timeout passed: then the group fails with a timeout_error naming the missing ranks);
+//  2. check: every rank compares all calls with rank 0's; a difference fails the group with an
+//     error showing both calls (every rank sees the same calls, so every rank fails);
+//  3. compute: outside the mutex, rank r handles its slice of every rank's buffers;
+//  4. depart: publish `seq` as done and wait until every rank has; only then is the work done,
+//     so no rank reuses or releases a buffer another rank may still read or write.
+// One published record per rank suffices: a rank can publish seq+1 only after every rank has
+// departed seq, i.e. after every rank is done reading the records of seq.
+//
+// Failure (abort, timeout, mismatch) is sticky: it fails every pending and future collective of
+// every rank. A rank that fails a collective first waits until no rank is inside step 3, so no
+// thread touches a buffer after a work that covers it has completed, failed or not.
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/host_kernels.hpp>
+#include <dparallel/core/dtype.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace detail {
+
+enum class comm_kind : std::uint8_t { all_reduce, reduce, broadcast, reduce_scatter, all_gather, barrier };
+
+constexpr std::string_view kind_name(comm_kind k) noexcept {
+  switch (k) {
+    case comm_kind::all_reduce: return "all_reduce";
+    case comm_kind::reduce: return "reduce";
+    case comm_kind::broadcast: return "broadcast";
+    case comm_kind::reduce_scatter: return "reduce_scatter";
+    case comm_kind::all_gather: return "all_gather";
+    case comm_kind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+/// What one rank asked for: what must match across ranks, plus what error messages show.
+struct comm_call {
+  comm_kind kind = comm_kind::barrier;
+  dtype type = dtype::f32;
+  std::size_t count = 0;  // per-rank block: t.size(), reduce_scatter's out, all_gather's in
+  std::size_t total = 0;  // reduce_scatter's in, all_gather's out (shown only)
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+
+  [[nodiscard]] constexpr bool reduces() const noexcept {
+    return kind == comm_kind::all_reduce || kind == comm_kind::reduce || kind == comm_kind::reduce_scatter;
+  }
+  [[nodiscard]] constexpr bool rooted() const noexcept {
+    return kind == comm_kind::reduce || kind == comm_kind::broadcast;
+  }
+  /// Whether two ranks' calls are the same collective.
+  [[nodiscard]] friend constexpr bool matches(comm_call const& a, comm_call const& b) noexcept {
+    if (a.kind != b.kind) return false;
+    if (a.kind == comm_kind::barrier) return true;
+    return a.type == b.type && a.count == b.count && (!a.reduces() || a.op == b.op) &&
+           (!a.rooted() || a.root == b.root);
+  }
+};
+
+/// "all_reduce(1000 x F32, sum)", "broadcast(7 x I32, root 0)", "all_gather(out 21 x F32, in 7 x F32)".
+inline std::string describe(comm_call const& c) {
+  auto elems = [&](std::size_t n) { return std::to_string(n) + " x " + std::string(name_of(c.type)); };
+  std::string s(kind_name(c.kind));
+  switch (c.kind) {
+    case comm_kind::all_reduce: return s + "(" + elems(c.count) + ", " + std::string(name_of(c.op)) + ")";
+    case comm_kind::reduce:
+      return s + "(" + elems(c.count) + ", " + std::string(name_of(c.op)) + ", root " + std::to_string(c.root) + ")";
+    case comm_kind::broadcast: return s + "(" + elems(c.count) + ", root " + std::to_string(c.root) + ")";
+    case comm_kind::reduce_scatter:
+      return s + "(out " + elems(c.count) + ", in " + elems(c.total) + ", " + std::string(name_of(c.op)) + ")";
+    case comm_kind::all_gather: return s + "(out " + elems(c.total) + ", in " + elems(c.count) + ")";
+    case comm_kind::barrier: return s + "()";
+  }
+  return s;
+}
+
+/// "rank 2", "ranks 2 and 4", "ranks 1, 2 and 4".
+inline std::string describe_ranks(std::vector<int> const& ranks) {
+  if (ranks.size() == 1) return "rank " + std::to_string(ranks[0]);
+  std::string s = "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i != 0) s += i + 1 == ranks.size() ? " and " : ", ";
+    s += std::to_string(ranks[i]);
+  }
+  return s;
+}
+
+/// The shared state of one host process group of `size()` thread ranks.
+class host_group {
+ public:
+  using clock = std::chrono::steady_clock;
+  static constexpr std::uint64_t open = std::numeric_limits<std::uint64_t>::max();
+
+  explicit host_group(int world_size)
+      : n_(world_size),
+        posted_(static_cast<std::size_t>(world_size), 0),
+        departed_(static_cast<std::size_t>(world_size), 0),
+        closed_(static_cast<std::size_t>(world_size), open),
+        busy_(static_cast<std::size_t>(world_size), 0),
+        calls_(static_cast<std::size_t>(world_size)),
+        bufs_(static_cast<std::size_t>(world_size)) {}
+  host_group(host_group const&) = delete;
+  host_group& operator=(host_group const&) = delete;
+
+  [[nodiscard]] int size() const noexcept { return n_; }
+
+  /// Runs rank r's collective number `seq` (steps 1-4 above); returns its failure or null.
+  std::exception_ptr execute(int r, std::uint64_t seq, comm_call const& call, tensor_ref a, tensor_ref b,
+                             std::chrono::milliseconds timeout) {
+    auto const ur = static_cast<std::size_t>(r);
+    std::unique_lock lock(m_);
+    if (failure_) return error_for(r, seq, call);
+
+    // 1. arrive
+    posted_[ur] = seq;
+    calls_[ur] = call;
+    bufs_[ur] = {a, b};
+    cv_.notify_all();
+    auto const arrived = [&] { return all_reached(posted_, seq); };
+    cv_.wait_until(lock, clock::now() + timeout,
+                   [&] { return failure_.has_value() || arrived() || first_closed_before(seq) >= 0; });
+    if (!failure_) {
+      if (!arrived()) {
+        int const j = first_closed_before(seq);
+        if (j >= 0) {
+          fail_closed(r, seq, call, j);
+        } else {
+          fail_timeout(r, seq, call, timeout, posted_, true);
+        }
+      } else {
+        check_match(seq);
+      }
+    }
+    if (failure_) return give_up(lock, r, seq, call);
+
+    // 3. compute, on a private copy of the records (they cannot change before step 4 anyway)
+    busy_[ur] = 1;
+    std::vector<std::array<tensor_ref, 2>> const bufs = bufs_;
+    lock.unlock();
+    std::exception_ptr compute_error;
+    try {
+      compute(r, call, bufs);
+    } catch (std::exception const& e) {
+      compute_error = std::make_exception_ptr(comm_error(r, e.what()));
+    } catch (...) {
+      compute_error = std::make_exception_ptr(comm_error(r, "unknown exception"));
+    }
+    lock.lock();
+    busy_[ur] = 0;
+    if (compute_error) {
+      set_failure(r, false, "rank " + std::to_string(r) + " failed inside the collective: " + what_of(compute_error));
+      return give_up(lock, r, seq, call);
+    }
+
+    // 4. depart
+    departed_[ur] = seq;
+    cv_.notify_all();
+    auto const departed = [&] { return all_reached(departed_, seq); };
+    cv_.wait_until(lock, clock::now() + timeout, [&] { return failure_.has_value() || departed(); });
+    if (departed()) return nullptr;  // complete on every rank, even if the group failed meanwhile
+    if (!failure_) fail_timeout(r, seq, call, timeout, departed_, false);
+    return give_up(lock, r, seq, call);
+  }
+
+  /// Fails every pending and future collective of every rank, naming `rank` and `why`.
+  void abort(int rank, std::string const& why) {
+    std::lock_guard lock(m_);
+    set_failure(rank, false, "rank " + std::to_string(rank) + " aborted the process group: " + why);
+  }
+
+  /// Rank `rank` will issue no collective after number `last_seq`: ranks that wait for it at a
+  /// later one fail at once instead of at the timeout.
+  void close(int rank, std::uint64_t last_seq) {
+    {
+      std::lock_guard lock(m_);
+      closed_[static_cast<std::size_t>(rank)] = last_seq;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  struct failure {
+    int rank;
+    bool timeout;
+    std::string reason;
+  };
+
+  [[nodiscard]] bool all_reached(std::vector<std::uint64_t> const& v, std::uint64_t seq) const noexcept {
+    return std::all_of(v.begin(), v.end(), [&](std::uint64_t s) { return s >= seq; });
+  }
+  [[nodiscard]] int first_closed_before(std::uint64_t seq) const noexcept {
+    for (int j = 0; j < n_; ++j) {
+      if (closed_[static_cast<std::size_t>(j)] < seq) return j;
+    }
+    return -1;
+  }
+
+  void set_failure(int rank, bool timeout, std::string reason) {
+    if (!failure_) failure_ = failure{rank, timeout, std::move(reason)};
+    cv_.notify_all();
+  }
+
+  void fail_timeout(int r, std::uint64_t seq, comm_call const& call, std::chrono::milliseconds timeout,
+                    std::vector<std::uint64_t> const& reached, bool arriving) {
+    std::vector<int> missing;
+    std::vector<int> present;
+    for (int j = 0; j < n_; ++j) (reached[static_cast<std::size_t>(j)] < seq ? missing : present).push_back(j);
+    if (missing.empty()) missing.push_back(r);  // cannot happen; keeps the message well-formed
+    std::string const who = describe_ranks(missing);
+    std::string msg = who + (arriving ? " did not call" : " did not finish") + " collective #" + std::to_string(seq) +
+                      " within " + std::to_string(timeout.count()) + " ms: rank " + std::to_string(r) +
+                      " waited for it in " + describe(call);
+    if (!present.empty()) msg += " (" + describe_ranks(present) + (arriving ? " had called it)" : " had finished it)");
+    msg += ". Every rank must issue the same collectives in the same order; if " + who +
+           (missing.size() == 1 ? " is" : " are") +
+           " only slow, raise the timeout (process_group::set_timeout, spawn_options::timeout)";
+    set_failure(missing[0], true, std::move(msg));
+  }
+
+  void fail_closed(int r, std::uint64_t seq, comm_call const& call, int j) {
+    auto const issued = closed_[static_cast<std::size_t>(j)];
+    set_failure(j, true,
+                "rank " + std::to_string(j) + " finished (its spawn function returned or its process_group was "
+                "destroyed) after issuing " + std::to_string(issued) + " collective" + (issued == 1 ? "" : "s") +
+                    ", so it will never call collective #" + std::to_string(seq) + ", which rank " +
+                    std::to_string(r) + " waited for in " + describe(call) +
+                    ". Every rank must issue the same collectives in the same order");
+  }
+
+  void check_match(std::uint64_t seq) {
+    for (int j = 1; j < n_; ++j) {
+      if (!matches(calls_[0], calls_[static_cast<std::size_t>(j)])) {
+        set_failure(j, false,
+                    "mismatched collectives #" + std::to_string(seq) + ": rank 0 called " + describe(calls_[0]) +
+                        " but rank " + std::to_string(j) + " called " + describe(calls_[static_cast<std::size_t>(j)]) +
+                        ". Every rank must issue the same collectives, with the same element counts, dtypes, roots "
+                        "and reduce ops, in the same order");
+        return;
+      }
+    }
+  }
+
+  /// Waits until no rank is inside a compute step, then builds rank r's error (lock held).
+  std::exception_ptr give_up(std::unique_lock<std::mutex>& lock, int r, std::uint64_t seq, comm_call const& call) {
+    cv_.wait(lock, [&] { return std::none_of(busy_.begin(), busy_.end(), [](char b) { return b != 0; }); });
+    return error_for(r, seq, call);
+  }
+
+  [[nodiscard]] std::exception_ptr error_for(int r, std::uint64_t seq, comm_call const& call) const {
+    std::string msg = "dparallel: rank " + std::to_string(r) + ": " + describe(call) + " (collective #" +
+                      std::to_string(seq) + ") failed: " + failure_->reason;
+    if (failure_->timeout) return std::make_exception_ptr(timeout_error(failure_->rank, msg));
+    return std::make_exception_ptr(comm_error(failure_->rank, msg));
+  }
+
+  static std::string what_of(std::exception_ptr const& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (std::exception const& ex) {
+      return ex.what();
+    } catch (...) {
+      return "unknown exception";
+    }
+  }
+
+  /// Step 3 for rank r: its share of the collective, over every rank's buffers in place.
+  void compute(int r, comm_call const& call, std::vector<std::array<tensor_ref, 2>> const& bufs) const {
+    std::size_t const esz = size_of(call.type);
+    auto const at = [&](int j, int which, std::size_t elem) {
+      return static_cast<char*>(bufs[static_cast<std::size_t>(j)][static_cast<std::size_t>(which)].data()) +
+             elem * esz;
+    };
+    std::vector<void const*> srcs;
+    std::vector<void*> dsts;
+    switch (call.kind) {
+      case comm_kind::all_reduce:
+      case comm_kind::reduce: {
+        auto const [lo, hi] = rank_slice(call.count, n_, r);
+        if (lo == hi) return;
+        for (int j = 0; j < n_; ++j) srcs.push_back(at(j, 0, lo));
+        if (call.kind == comm_kind::reduce) {
+          dsts.push_back(at(call.root, 0, lo));
+        } else {
+          for (int j = 0; j < n_; ++j) dsts.push_back(at(j, 0, lo));
+        }
+        reduce_bytes(call.type, srcs, dsts, hi - lo, call.op, n_);
+        return;
+      }
+      case comm_kind::broadcast: {
+        auto const [lo, hi] = rank_slice(call.count, n_, r);
+        if (lo == hi) return;
+        char const* src = at(call.root, 0, lo);
+        for (int j = 0; j < n_; ++j) {
+          if (j != call.root) std::memcpy(at(j, 0, lo), src, (hi - lo) * esz);
+        }
+        return;
+      }
+      case comm_kind::reduce_scatter: {
+        if (call.count == 0) return;
+        for (int j = 0; j < n_; ++j) srcs.push_back(at(j, 1, static_cast<std::size_t>(r) * call.count));
+        dsts.push_back(at(r, 0, 0));
+        reduce_bytes(call.type, srcs, dsts, call.count, call.op, n_);
+        return;
+      }
+      case comm_kind::all_gather: {
+        if (call.count == 0) return;
+        char const* src = at(r, 1, 0);
+        for (int j = 0; j < n_; ++j) {
+          char* dst = at(j, 0, static_cast<std::size_t>(r) * call.count);
+          if (dst != src) std::memcpy(dst, src, call.count * esz);
+        }
+        return;
+      }
+      case comm_kind::barrier: return;
+    }
+  }
+
+  int n_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<std::uint64_t> posted_;    // last sequence number each rank published (0: none)
+  std::vector<std::uint64_t> departed_;  // last sequence number each rank finished computing
+  std::vector<std::uint64_t> closed_;    // last sequence number each rank will ever issue
+  std::vector<char> busy_;               // rank is inside step 3
+  std::vector<comm_call> calls_;
+  std::vector<std::array<tensor_ref, 2>> bufs_;
+  std::optional<failure> failure_;
+};
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END

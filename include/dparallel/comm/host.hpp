@@ -1,0 +1,316 @@
+#pragma once
+// The host communicator: ranks are threads of one process and collectives read and write the
+// ranks' buffers in place through shared memory, with no staging copies.
+//
+// Each rank's communicator owns a communication thread (its "comm stream") that runs the rank's
+// collectives in the order they were issued; a call returns a work at once. For an all_reduce of
+// L elements over n ranks, rank r reduces elements [r*L/n, (r+1)*L/n) of every rank's buffer, in
+// rank order 0..n-1, and writes the result into that slice of every rank's buffer; the ranks then
+// meet before their works complete. Results are therefore the same bits on every rank and from
+// run to run. reduce, broadcast, reduce_scatter and all_gather work the same way; reductions take
+// F32 and F64, broadcast and all_gather any dtype.
+//
+// Failures reach every rank: a rank that has not arrived within the timeout (timeout_error naming
+// it), abort() (comm_error naming the aborting rank and its reason), mismatched collectives
+// (comm_error showing both calls) and invalid arguments (invalid_argument on the caller; the
+// group is aborted so its peers fail at once rather than at the timeout) all fail every pending
+// and future collective of the group. A failed group stays failed: make a new one.
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/host_kernels.hpp>
+#include <dparallel/comm/work.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/dtype.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace host {
+
+/// One thread rank's endpoint of a host process group. Made by make_group / make_communicators;
+/// neither copyable nor movable (its thread refers to it); share it through process_group.
+class communicator {
+ public:
+  communicator(std::shared_ptr<dparallel::detail::host_group> group, int rank, std::chrono::milliseconds timeout)
+      : group_(std::move(group)), rank_(rank), timeout_ms_(timeout.count()), worker_([this] { run(); }) {}
+  communicator(communicator const&) = delete;
+  communicator& operator=(communicator const&) = delete;
+
+  /// Joins the communication thread. Collectives still pending make the group abort first (their
+  /// peers could otherwise wait for this rank until the timeout); with none pending, the rank is
+  /// closed, so peers waiting for a later collective of this rank fail at once.
+  ~communicator() {
+    std::size_t pending = 0;
+    std::uint64_t last = 0;
+    {
+      std::lock_guard lock(m_);
+      pending = pending_;
+      last = next_seq_ - 1;
+      stopping_ = true;
+    }
+    if (pending != 0) {
+      group_->abort(rank_, "its communicator was destroyed with " + std::to_string(pending) + " collective" +
+                               (pending == 1 ? "" : "s") + " pending");
+    } else {
+      group_->close(rank_, last);
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return group_->size(); }
+
+  work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
+    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0};
+    check_tensor(c, t, "t");
+    check_reducible(c);
+    return issue(c, t, {});
+  }
+
+  work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
+    dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root};
+    check_tensor(c, t, "t");
+    check_reducible(c);
+    check_root(c);
+    return issue(c, t, {});
+  }
+
+  work broadcast(tensor_ref t, int root) {
+    dparallel::detail::comm_call c{dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(),
+                                   reduce_op::sum, root};
+    check_tensor(c, t, "t");
+    check_root(c);
+    return issue(c, t, {});
+  }
+
+  /// out: n elements; in: size()*n elements. out may be in's block rank() (in place) or disjoint from in.
+  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) {
+    dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce_scatter, out.dtype(), out.size(), in.size(),
+                                   op, 0};
+    check_tensor(c, out, "out");
+    check_tensor(c, in, "in");
+    check_reducible(c);
+    check_blocks(c, out, in, "out", "in");
+    return issue(c, out, in);
+  }
+
+  /// in: n elements; out: size()*n elements. in may be out's block rank() (in place) or disjoint from out.
+  work all_gather(tensor_ref out, tensor_ref in) {
+    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_gather, in.dtype(), in.size(), out.size(),
+                                   reduce_op::sum, 0};
+    check_tensor(c, out, "out");
+    check_tensor(c, in, "in");
+    check_blocks(c, in, out, "in", "out");
+    return issue(c, out, in);
+  }
+
+  work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
+
+  /// Fails every pending and future collective of every rank with a comm_error naming this rank
+  /// and `why`. The first failure of a group wins; later aborts change nothing.
+  void abort(std::string why) { group_->abort(rank_, why); }
+
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
+  }
+  /// Applies to the collectives issued after the call.
+  void set_timeout(std::chrono::milliseconds t) {
+    dparallel::detail::require(t.count() > 0, "host::communicator::set_timeout: expected a positive timeout, found " +
+                                                  std::to_string(t.count()) + " ms");
+    timeout_ms_.store(t.count(), std::memory_order_relaxed);
+  }
+
+  /// Collectives this rank has finished, successfully or not. Incremented before the work
+  /// completes, so after w.wait() it counts w.
+  [[nodiscard]] std::uint64_t completed_ops() const noexcept {
+    return completed_.load(std::memory_order_acquire);
+  }
+
+  /// Blocks until every collective issued so far has finished (successfully or not).
+  void drain() {
+    std::unique_lock lock(m_);
+    idle_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+  /// Declares that this rank issues no more collectives: peers waiting for a later one fail at
+  /// once (timeout_error naming this rank) instead of at the timeout. Later calls throw.
+  void close() {
+    std::uint64_t last = 0;
+    {
+      std::lock_guard lock(m_);
+      closed_ = true;
+      last = next_seq_ - 1;
+    }
+    group_->close(rank_, last);
+  }
+
+ private:
+  struct task {
+    std::uint64_t seq = 0;
+    dparallel::detail::comm_call call;
+    tensor_ref a;
+    tensor_ref b;
+    std::chrono::milliseconds timeout{};
+    dparallel::detail::work_promise done;
+  };
+
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
+    dparallel::detail::work_promise p;
+    work w = p.get_work();
+    {
+      std::lock_guard lock(m_);
+      dparallel::detail::require(!closed_, "host::communicator: rank " + std::to_string(rank_) + " called " +
+                                               dparallel::detail::describe(c) +
+                                               " after it was closed (its spawn function returned)");
+      queue_.push_back(task{next_seq_++, c, a, b, timeout(), std::move(p)});
+      ++pending_;
+    }
+    cv_.notify_all();
+    return w;
+  }
+
+  // Invalid arguments abort the group (its peers would otherwise wait for this rank until the
+  // timeout), then throw invalid_argument on the caller.
+  [[noreturn]] void reject(dparallel::detail::comm_call const& c, std::string const& what) {
+    std::string const msg = std::string(dparallel::detail::kind_name(c.kind)) + " on rank " + std::to_string(rank_) +
+                            ": " + what;
+    group_->abort(rank_, "invalid arguments to " + msg);
+    throw invalid_argument("dparallel: " + msg);
+  }
+
+  void check_tensor(dparallel::detail::comm_call const& c, tensor_ref t, char const* name) {
+    if (t.device().kind != device_kind::host) {
+      reject(c, std::string("expected `") + name + "` in host memory, found a view on " + to_string(t.device()) +
+                    "; the host communicator moves host memory only");
+    }
+    if (t.size() != 0 && t.data() == nullptr) {
+      reject(c, std::string("`") + name + "` has " + std::to_string(t.size()) + " elements but a null data pointer");
+    }
+  }
+
+  void check_reducible(dparallel::detail::comm_call const& c) {
+    if (!dparallel::detail::host_reducible(c.type)) {
+      reject(c, "the host communicator reduces F32 and F64, found " + std::string(name_of(c.type)) +
+                    "; convert the data, or use broadcast / all_gather, which move any dtype");
+    }
+  }
+
+  void check_root(dparallel::detail::comm_call const& c) {
+    if (c.root < 0 || c.root >= size()) {
+      reject(c, "expected a root in [0, " + std::to_string(size()) + "), found " + std::to_string(c.root));
+    }
+  }
+
+  // `small` has n elements and `big` size()*n of the same dtype; `small` is big's block rank()
+  // or disjoint from `big` (a partial overlap would race with the peers' reads and writes).
+  void check_blocks(dparallel::detail::comm_call const& c, tensor_ref small, tensor_ref big, char const* small_name,
+                    char const* big_name) {
+    auto const n = static_cast<std::size_t>(size());
+    if (big.dtype() != small.dtype()) {
+      reject(c, std::string("expected `") + big_name + "` and `" + small_name + "` of the same dtype, found " +
+                    std::string(name_of(big.dtype())) + " and " + std::string(name_of(small.dtype())));
+    }
+    if (big.size() != n * small.size()) {
+      reject(c, std::string("expected `") + big_name + "` to hold size() * " + small_name + ".size() = " +
+                    std::to_string(n) + " * " + std::to_string(small.size()) + " = " +
+                    std::to_string(n * small.size()) + " elements, found " + std::to_string(big.size()));
+    }
+    if (small.size() == 0) return;
+    auto const s0 = reinterpret_cast<std::uintptr_t>(small.data());
+    auto const b0 = reinterpret_cast<std::uintptr_t>(big.data());
+    auto const s1 = s0 + small.size_bytes();
+    auto const b1 = b0 + big.size_bytes();
+    bool const disjoint = s1 <= b0 || b1 <= s0;
+    bool const own_block = s0 == b0 + static_cast<std::uintptr_t>(rank_) * small.size_bytes();
+    if (!disjoint && !own_block) {
+      reject(c, std::string("`") + small_name + "` overlaps `" + big_name + "` other than as its block " +
+                    std::to_string(rank_) + " (this rank's); pass that block for an in-place call, or disjoint "
+                    "buffers");
+    }
+  }
+
+  void run() {
+    for (;;) {
+      task t;
+      {
+        std::unique_lock lock(m_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        t = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::exception_ptr failure;
+      try {
+        failure = group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout);
+      } catch (...) {
+        failure = std::current_exception();  // only an allocation failure can get here
+      }
+      completed_.fetch_add(1, std::memory_order_release);
+      t.done.complete(std::move(failure));
+      {
+        std::lock_guard lock(m_);
+        if (--pending_ == 0) idle_.notify_all();
+      }
+    }
+  }
+
+  std::shared_ptr<dparallel::detail::host_group> group_;
+  int rank_;
+  std::atomic<std::int64_t> timeout_ms_;
+  std::atomic<std::uint64_t> completed_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::condition_variable idle_;
+  std::deque<task> queue_;
+  std::size_t pending_ = 0;  // queued or running
+  std::uint64_t next_seq_ = 1;
+  bool stopping_ = false;
+  bool closed_ = false;
+  std::thread worker_;  // last: starts after every other member is constructed
+};
+
+static_assert(dparallel::communicator<communicator>);
+
+/// `world_size` communicators sharing one group, rank i at index i.
+inline std::vector<std::shared_ptr<communicator>> make_communicators(
+    int world_size, std::chrono::milliseconds timeout = std::chrono::seconds(300)) {
+  dparallel::detail::require(world_size > 0, "host::make_group: expected a world size of at least 1, found " +
+                                                 std::to_string(world_size));
+  dparallel::detail::require(timeout.count() > 0, "host::make_group: expected a positive timeout, found " +
+                                                      std::to_string(timeout.count()) + " ms");
+  auto group = std::make_shared<dparallel::detail::host_group>(world_size);
+  std::vector<std::shared_ptr<communicator>> out;
+  out.reserve(static_cast<std::size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) out.push_back(std::make_shared<communicator>(group, r, timeout));
+  return out;
+}
+
+/// The shared state of `world_size` thread ranks: one process_group per rank, rank i at index i.
+/// Hand element i to the thread that plays rank i. `timeout` bounds every wait for a peer.
+inline std::vector<process_group> make_group(int world_size,
+                                             std::chrono::milliseconds timeout = std::chrono::seconds(300)) {
+  std::vector<process_group> out;
+  for (auto& c : make_communicators(world_size, timeout)) out.emplace_back(std::move(c));
+  return out;
+}
+
+}  // namespace host
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,92 @@
+#pragma once
+// work: the wait handle every communicator returns for an asynchronous collective.
+//
+// A work is a cheap, copyable handle to shared completion state. The engine that runs the
+// collective completes it exactly once, successfully or with an exception, through
+// detail::work_promise. Waiting never needs its own clock: every engine fails a collective
+// whose peers have not arrived within the group's timeout (and one that was aborted), so
+// wait() returns or throws within about that timeout after the collective started.
+
+#include <dparallel/config.hpp>
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+namespace detail {
+class work_promise;
+}  // namespace detail
+
+/// Completion of one collective on one rank. A default-constructed work is complete and
+/// successful (what a collective with nothing to do may return).
+class work {
+ public:
+  work() = default;
+
+  /// True when the collective finished, successfully or not; never blocks for long.
+  [[nodiscard]] bool ready() const {
+    if (!s_) return true;
+    std::lock_guard lock(s_->m);
+    return s_->done;
+  }
+
+  /// Blocks until the collective finished; rethrows its failure: a comm_error (or timeout_error)
+  /// whose rank() names the rank at fault. May be called any number of times, from any thread.
+  void wait() const {
+    if (auto e = wait_nothrow()) std::rethrow_exception(e);
+  }
+
+  /// Blocks until the collective finished; returns its failure (null on success) instead of
+  /// throwing it. Meant for clean-up paths (destructors) that must not throw.
+  [[nodiscard]] std::exception_ptr wait_nothrow() const {
+    if (!s_) return nullptr;
+    std::unique_lock lock(s_->m);
+    s_->cv.wait(lock, [&] { return s_->done; });
+    return s_->error;
+  }
+
+ private:
+  friend class detail::work_promise;
+  struct state {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  std::shared_ptr<state> s_;
+};
+
+namespace detail {
+
+/// The engine's side of a work: make one per collective, hand get_work() to the caller, and
+/// complete() it once when the collective finished (null: success).
+class work_promise {
+ public:
+  work_promise() : s_(std::make_shared<work::state>()) {}
+
+  [[nodiscard]] work get_work() const {
+    work w;
+    w.s_ = s_;
+    return w;
+  }
+
+  void complete(std::exception_ptr error = nullptr) const {
+    {
+      std::lock_guard lock(s_->m);
+      s_->done = true;
+      s_->error = std::move(error);
+    }
+    s_->cv.notify_all();
+  }
+
+ private:
+  std::shared_ptr<work::state> s_;
+};
+
+}  // namespace detail
+
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,308 @@
+// DDP on the host backend with thread ranks: the contracts of DESIGN.md section 4 as equalities.
+#include "models.hpp"
+
+#include <dparallel/comm/host.hpp>
+#include <dparallel/dparallel.hpp>
+#include <dparallel/spawn.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dpl = dparallel;
+using model = test::chunked<float>;
+
+namespace {
+
+/// Rank r's slice of the global batch: rows [r*b, (r+1)*b).
+test::samples<float> rank_slice(test::dataset<float> const& d, int rank, std::size_t b) {
+  return dpl::slice_batch(d.all(), static_cast<std::size_t>(rank) * b, static_cast<std::size_t>(rank + 1) * b);
+}
+
+std::vector<double> one_device_gradient(test::dataset<float> const& d) {
+  model m;
+  m.forward_backward(d.all());
+  return test::flat(m, true);
+}
+
+dpl::options tiny_buckets() {
+  return {.bucket_cap_mb = 8.0 / (1024 * 1024), .first_bucket_cap_mb = 4.0 / (1024 * 1024)};
+}
+
+}  // namespace
+
+TEST_CASE("DDP over N ranks equals one device on the global batch", "[host][ddp][contract]") {
+  for (int world = 1; world <= 4; ++world) {
+    for (bool hook : {false, true}) {
+      for (bool many_buckets : {false, true}) {
+        for (bool exact : {false, true}) {
+          if (exact && world == 3) continue;  // averaging over 3 ranks is not exact in binary
+          std::size_t const b = 8;
+          auto const data = test::dataset<float>::make(b * static_cast<std::size_t>(world), model().dim,
+                                                       static_cast<std::uint64_t>(world * 10 + hook), exact);
+          auto const want = one_device_gradient(data);
+          std::vector<std::vector<double>> got(static_cast<std::size_t>(world));
+          dpl::spawn(world, [&](dpl::rank_context& rank) {
+            model m;
+            dpl::distributed_data_parallel<model> ddp(m, rank.group(), many_buckets ? tiny_buckets() : dpl::options{});
+            ddp.step(rank_slice(data, rank.rank(), b), [&](model& r, test::samples<float> s, dpl::step_context& ctx) {
+              return hook ? r.forward_backward(s, &ctx) : r.forward_backward(s);
+            });
+            got[static_cast<std::size_t>(rank.rank())] = test::flat(m, true);
+          });
+          INFO("world = " << world << ", grad_ready = " << hook << ", many buckets = " << many_buckets
+                          << ", exact = " << exact);
+          for (auto const& g : got) {
+            if (exact) CHECK(g == want);
+            else CHECK(test::rel_error(g, want) <= 1e-6);
+            CHECK(g == got[0]);  // bitwise identical on every rank
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("DDP replicas stay bitwise identical after every step; runs are reproducible", "[host][ddp][contract]") {
+  auto train = [](int world) {
+    std::vector<std::vector<std::uint64_t>> hashes(static_cast<std::size_t>(world));
+    std::vector<double> final_params;
+    dpl::spawn(world, [&](dpl::rank_context& rank) {
+      model m({3, 5, 1, 8, 2, 4}, static_cast<std::uint64_t>(100 + rank.rank()));  // different until broadcast
+      dpl::distributed_data_parallel<model> ddp(m, rank.group(), tiny_buckets());
+      for (int step = 0; step < 5; ++step) {
+        auto const data = test::dataset<float>::make(6 * static_cast<std::size_t>(world), m.dim,
+                                                     static_cast<std::uint64_t>(step), false);
+        ddp.step(rank_slice(data, rank.rank(), 6),
+                 [](model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
+        ddp.module().sgd(0.05f);
+        hashes[static_cast<std::size_t>(rank.rank())].push_back(test::param_hash(m));
+      }
+      if (rank.rank() == 0) final_params = test::flat(m, false);
+    });
+    for (auto const& h : hashes) CHECK(h == hashes[0]);
+    return final_params;
+  };
+  for (int world : {2, 3, 4}) {
+    auto const a = train(world), b = train(world);
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
+  }
+}
+
+TEST_CASE("DDP construction broadcasts rank 0's parameters and buffers", "[host][ddp]") {
+  std::vector<std::vector<double>> params(3);
+  std::vector<float> stats(3);
+  dpl::spawn(3, [&](dpl::rank_context& rank) {
+    model m({3, 5, 1, 8, 2, 4}, static_cast<std::uint64_t>(7 + rank.rank()));
+    m.stats[0] = static_cast<float>(rank.rank() + 10);
+    dpl::distributed_data_parallel<model> ddp(m, rank.group());
+    params[static_cast<std::size_t>(rank.rank())] = test::flat(m, false);
+    stats[static_cast<std::size_t>(rank.rank())] = m.stats[0];
+  });
+  model zero({3, 5, 1, 8, 2, 4}, 7);
+  for (auto const& p : params) CHECK(p == test::flat(zero, false));
+  CHECK(stats == std::vector<float>{10, 10, 10});
+}
+
+TEST_CASE("DDP broadcasts rank 0's buffers before each step unless told not to", "[host][ddp]") {
+  for (bool broadcast : {true, false}) {
+    std::vector<float> stats(2);
+    dpl::spawn(2, [&](dpl::rank_context& rank) {
+      model m;
+      dpl::distributed_data_parallel<model> ddp(m, rank.group(), {.broadcast_buffers = broadcast});
+      auto const data = test::dataset<float>::make(4, m.dim, 1, true);
+      m.stats[0] = rank.rank() == 0 ? 100.0f : 500.0f;  // diverged running statistics
+      ddp.step(rank_slice(data, rank.rank(), 2), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+      stats[static_cast<std::size_t>(rank.rank())] = m.stats[0];
+    });
+    if (broadcast) CHECK(stats == std::vector<float>{102, 102});
+    else CHECK(stats == std::vector<float>{102, 502});
+  }
+}
+
+TEST_CASE("DDP overlaps: a bucket is reduced while backward is still running", "[host][ddp][overlap]") {
+  // Every parameter is its own bucket. After marking the last parameter (the first bucket) ready,
+  // backward waits until the communicator reports a finished collective. Without overlap, nothing
+  // would be reduced before the step function returns, and the wait would give up.
+  std::vector<int> overlapped(2, 0);
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    model m;
+    dpl::distributed_data_parallel<model> ddp(m, rank.group(), tiny_buckets());
+    auto const data = test::dataset<float>::make(8, m.dim, 3, false);
+    ddp.step(rank_slice(data, rank.rank(), 4), [&](model& r, test::samples<float> s, dpl::step_context& ctx) {
+      auto const before = rank.group().completed_ops();
+      return r.forward_backward(s, &ctx, [&](std::size_t p) {
+        if (p != r.w.size() - 1) return;
+        auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (rank.group().completed_ops() == before && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        overlapped[static_cast<std::size_t>(rank.rank())] = rank.group().completed_ops() > before;
+      });
+    });
+  });
+  CHECK(overlapped == std::vector<int>{1, 1});
+}
+
+TEST_CASE("no_sync for k micro-steps then one synced step equals one step on the concatenated batch",
+          "[host][ddp][contract]") {
+  for (int world : {1, 2, 4}) {
+    for (int k : {1, 3}) {
+      std::size_t const b = 4;
+      std::size_t const per_rank = b * static_cast<std::size_t>(k + 1);
+      // Rank r's micro-batches are rows [r*per_rank + j*b, ...): together, the whole dataset.
+      auto const data = test::dataset<float>::make(per_rank * static_cast<std::size_t>(world), model().dim,
+                                                   static_cast<std::uint64_t>(world + k), false);
+      auto const want = one_device_gradient(data);
+      std::vector<std::vector<double>> got(static_cast<std::size_t>(world));
+      dpl::spawn(world, [&](dpl::rank_context& rank) {
+        model m;
+        dpl::distributed_data_parallel<model> ddp(m, rank.group(), tiny_buckets());
+        auto micro = [&](int j) {
+          std::size_t const first = static_cast<std::size_t>(rank.rank()) * per_rank + static_cast<std::size_t>(j) * b;
+          return dpl::slice_batch(data.all(), first, first + b);
+        };
+        auto fn = [](model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); };
+        {
+          auto scope = ddp.no_sync();
+          for (int j = 0; j < k; ++j) ddp.step(micro(j), fn);
+        }
+        ddp.step(micro(k), fn);
+        got[static_cast<std::size_t>(rank.rank())] = test::flat(m, true);
+      });
+      INFO("world = " << world << ", k = " << k);
+      for (auto const& g : got) {
+        CHECK(test::rel_error(g, want) <= 1e-6);
+        CHECK(g == got[0]);
+      }
+    }
+  }
+}
+
+TEST_CASE("a rank that throws in step_fn fails every rank, naming it; nothing hangs", "[host][ddp][error]") {
+  std::vector<std::string> seen(3);
+  std::mutex mu;
+  auto const t0 = std::chrono::steady_clock::now();
+  try {
+    dpl::spawn(
+        3,
+        [&](dpl::rank_context& rank) {
+          model m;
+          dpl::distributed_data_parallel<model> ddp(m, rank.group());
+          auto const data = test::dataset<float>::make(6, m.dim, 3, false);
+          try {
+            ddp.step(rank_slice(data, rank.rank(), 2), [&](model& r, test::samples<float> s, dpl::step_context& ctx) {
+              if (rank.rank() == 1) throw std::runtime_error("out of memory in layer 3");
+              return r.forward_backward(s, &ctx);
+            });
+          } catch (std::exception const& e) {
+            std::lock_guard lock(mu);
+            seen[static_cast<std::size_t>(rank.rank())] = e.what();
+            throw;
+          }
+        },
+        {.timeout = std::chrono::seconds(30)});
+    FAIL("spawn must rethrow");
+  } catch (dpl::error const& e) {
+    CHECK_THAT(e.what(), Catch::Contains("rank 1") && Catch::Contains("out of memory in layer 3"));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(25));  // failed by abort, not by timeout
+  for (int r : {0, 2}) CHECK_THAT(seen[static_cast<std::size_t>(r)], Catch::Contains("rank 1"));
+}
+
+TEST_CASE("a parameter never marked ready is reported by index, or tolerated on request", "[host][ddp][error]") {
+  // Marks every gradient but parameter 2's.
+  auto skip_two = [](model& r, test::samples<float> s, dpl::step_context& ctx) {
+    float const loss = r.forward_backward(s);
+    for (std::size_t p = r.w.size(); p-- > 0;)
+      if (p != 2) ctx.grad_ready(p);
+    return loss;
+  };
+  try {
+    dpl::spawn(
+        2,
+        [&](dpl::rank_context& rank) {
+          model m;
+          dpl::distributed_data_parallel<model> ddp(m, rank.group());
+          auto const data = test::dataset<float>::make(4, m.dim, 3, false);
+          ddp.step(rank_slice(data, rank.rank(), 2), skip_two);
+        },
+        {.timeout = std::chrono::seconds(30)});
+    FAIL("expected the unused parameter to be reported");
+  } catch (dpl::error const& e) {
+    CHECK_THAT(e.what(), Catch::Contains("never for parameter(s) 2") && Catch::Contains("find_unused_parameters"));
+  }
+  std::vector<std::vector<float>> g2(2);
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    model m;
+    dpl::distributed_data_parallel<model> ddp(m, rank.group(), {.find_unused_parameters = true});
+    auto const data = test::dataset<float>::make(4, m.dim, 3, false);
+    ddp.step(rank_slice(data, rank.rank(), 2), skip_two);
+    g2[static_cast<std::size_t>(rank.rank())] = m.g[2];
+  });
+  CHECK(g2[0] == std::vector<float>{0.0f});  // an unused parameter contributes a zero gradient
+  CHECK(g2[1] == std::vector<float>{0.0f});
+}
+
+TEST_CASE("ranks with different parameters fail construction on every rank, naming the rank and parameter",
+          "[host][ddp][error]") {
+  std::vector<std::string> seen(3);
+  std::mutex mu;
+  CHECK_THROWS(dpl::spawn(3, [&](dpl::rank_context& rank) {
+    model m(rank.rank() == 2 ? std::vector<std::size_t>{3, 5, 1, 7, 2, 4} : std::vector<std::size_t>{3, 5, 1, 8, 2, 4});
+    try {
+      dpl::distributed_data_parallel<model> ddp(m, rank.group());
+    } catch (std::exception const& e) {
+      std::lock_guard lock(mu);
+      seen[static_cast<std::size_t>(rank.rank())] = e.what();
+      throw;
+    }
+  }));
+  for (auto const& s : seen) CHECK_THAT(s, Catch::Contains("rank 2's parameters 3 has 7 elements"));
+}
+
+TEST_CASE("buckets are rebuilt once, in the order gradients became ready", "[host][ddp]") {
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    model m;
+    dpl::distributed_data_parallel<model> ddp(m, rank.group(), tiny_buckets());
+    auto const initial = ddp.reducer().buckets();
+    REQUIRE(initial.size() > 1);
+    CHECK(initial.front().params.front() == m.w.size() - 1);  // reverse parameter order at first
+    auto const data = test::dataset<float>::make(4, m.dim, 3, false);
+    // Mark gradients in forward order 0, 1, 2, ... (after computing them all).
+    auto forward_order = [](model& r, test::samples<float> s, dpl::step_context& ctx) {
+      float const loss = r.forward_backward(s);
+      for (std::size_t p = 0; p < r.w.size(); ++p) ctx.grad_ready(p);
+      return loss;
+    };
+    ddp.step(rank_slice(data, rank.rank(), 2), forward_order);
+    auto const rebuilt = ddp.reducer().buckets();
+    CHECK(rebuilt.front().params.front() == 0);
+    ddp.step(rank_slice(data, rank.rank(), 2),
+             [](model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
+    CHECK(ddp.reducer().buckets() == rebuilt);  // only once
+  });
+}
+
+TEST_CASE("bucket plan: caps, first bucket, dtypes never mixed", "[core][buckets]") {
+  using dpl::dtype;
+  // 4-byte floats: sizes in elements 100, 200, 300, 50; first cap 400 bytes, cap 1000 bytes.
+  auto b = dpl::plan_buckets({100, 200, 300, 50}, {dtype::f32, dtype::f32, dtype::f32, dtype::f32},
+                             dpl::reverse_order(4), 400, 1000);
+  REQUIRE(b.size() == 2);
+  CHECK(b[0].params == std::vector<std::size_t>{3, 2});  // 200 B, then 1400 B >= 400: closed
+  CHECK(b[0].offsets == std::vector<std::size_t>{0, 50});
+  CHECK(b[1].params == std::vector<std::size_t>{1, 0});
+  CHECK(b[1].elements == 300);
+  auto mixed = dpl::plan_buckets({10, 10, 10}, {dtype::f32, dtype::f64, dtype::f32}, {0, 1, 2}, 1 << 20, 1 << 20);
+  REQUIRE(mixed.size() == 2);
+  CHECK(mixed[0].params == std::vector<std::size_t>{0, 2});
+  CHECK(mixed[1].dtype == dtype::f64);
+  CHECK_THROWS_AS(dpl::plan_buckets({1, 2}, {dtype::f32, dtype::f32}, {0, 0}, 1, 1), dpl::invalid_argument);
+}
