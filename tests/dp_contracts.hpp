@@ -36,12 +36,17 @@ void check_same_gradients(int n, std::size_t b, bool exact, dparallel::options o
   auto const ref = reference_step(master, data.all());
 
   dparallel::parallel<linreg<T>, dparallel::dp, Backend> wrapped(master, devices<Backend>(n), opts);
+  // Written by the replicas' threads (one slot each), checked here: Catch2 asserts on one thread.
   std::vector<int> calls(static_cast<std::size_t>(n), 0);
+  std::vector<std::size_t> seen_rows(static_cast<std::size_t>(n), 0), told_rows(static_cast<std::size_t>(n), 0);
   auto losses = wrapped.step(data.all(), [&](linreg<T>& m, samples<T> shard, dparallel::step_context& ctx) {
-    ++calls[static_cast<std::size_t>(ctx.replica())];
-    CHECK(ctx.shard_size() == shard.x.rows());
+    auto const slot = static_cast<std::size_t>(ctx.replica());
+    ++calls[slot];
+    seen_rows[slot] = shard.x.rows();
+    told_rows[slot] = ctx.shard_size();
     return m.forward_backward(shard);
   });
+  CHECK(seen_rows == told_rows);
   auto const& sizes = wrapped.last_shard_sizes();
   std::size_t used = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {

@@ -268,12 +268,15 @@ TEST_CASE("ranks with different parameters fail construction on every rank, nami
 }
 
 TEST_CASE("buckets are rebuilt once, in the order gradients became ready", "[host][ddp]") {
+  struct plans {
+    std::vector<dpl::bucket_spec> initial, rebuilt, later;
+  };
+  std::vector<plans> seen(2);  // one slot per rank; checked after spawn (Catch2 asserts on one thread)
   dpl::spawn(2, [&](dpl::rank_context& rank) {
     model m;
     dpl::distributed_data_parallel<model> ddp(m, rank.group(), tiny_buckets());
-    auto const initial = ddp.reducer().buckets();
-    REQUIRE(initial.size() > 1);
-    CHECK(initial.front().params.front() == m.w.size() - 1);  // reverse parameter order at first
+    auto& mine = seen[static_cast<std::size_t>(rank.rank())];
+    mine.initial = ddp.reducer().buckets();
     auto const data = test::dataset<float>::make(4, m.dim, 3, false);
     // Mark gradients in forward order 0, 1, 2, ... (after computing them all).
     auto forward_order = [](model& r, test::samples<float> s, dpl::step_context& ctx) {
@@ -282,12 +285,18 @@ TEST_CASE("buckets are rebuilt once, in the order gradients became ready", "[hos
       return loss;
     };
     ddp.step(rank_slice(data, rank.rank(), 2), forward_order);
-    auto const rebuilt = ddp.reducer().buckets();
-    CHECK(rebuilt.front().params.front() == 0);
+    mine.rebuilt = ddp.reducer().buckets();
     ddp.step(rank_slice(data, rank.rank(), 2),
              [](model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
-    CHECK(ddp.reducer().buckets() == rebuilt);  // only once
+    mine.later = ddp.reducer().buckets();
   });
+  for (auto const& p : seen) {
+    REQUIRE(p.initial.size() > 1);
+    CHECK(p.initial.front().params.front() == model().w.size() - 1);  // reverse parameter order at first
+    CHECK(p.rebuilt.front().params.front() == 0);                      // then the observed order
+    CHECK(p.later == p.rebuilt);                                       // rebuilt only once
+    CHECK(p.rebuilt == seen[0].rebuilt);                               // the same plan on every rank
+  }
 }
 
 TEST_CASE("bucket plan: caps, first bucket, dtypes never mixed", "[core][buckets]") {
@@ -305,4 +314,44 @@ TEST_CASE("bucket plan: caps, first bucket, dtypes never mixed", "[core][buckets
   CHECK(mixed[0].params == std::vector<std::size_t>{0, 2});
   CHECK(mixed[1].dtype == dtype::f64);
   CHECK_THROWS_AS(dpl::plan_buckets({1, 2}, {dtype::f32, dtype::f32}, {0, 0}, 1, 1), dpl::invalid_argument);
+}
+
+namespace {
+/// DDP where gradients are reduced onto rank 0 only and rank 0 alone updates the model; its
+/// parameters reach the other ranks before each step.
+struct ddp_to_root : dpl::ddp {
+  using replicate = dpl::policy::broadcast_each_step;
+  using reduce = dpl::policy::bucketed_reduce_to_root;
+};
+static_assert(dpl::semantics<ddp_to_root>);
+}  // namespace
+
+TEST_CASE("policies compose: DDP with reduce-to-root equals DDP with all-reduce on rank 0", "[host][ddp][policy]") {
+  int const world = 3;
+  auto train = [&](auto semantics_tag, std::vector<std::vector<std::uint64_t>>& hashes) {
+    using S = decltype(semantics_tag);
+    std::vector<double> rank0;
+    dpl::spawn(world, [&](dpl::rank_context& rank) {
+      model m({3, 5, 1, 8, 2, 4}, static_cast<std::uint64_t>(5 + rank.rank()));
+      dpl::parallel<model, S> wrapped(m, rank.group(), tiny_buckets());
+      for (int step = 0; step < 4; ++step) {
+        auto const data = test::dataset<float>::make(4 * world, m.dim, static_cast<std::uint64_t>(step), false);
+        wrapped.step(rank_slice(data, rank.rank(), 4), [&](model& r, test::samples<float> s, dpl::step_context& ctx) {
+          hashes[static_cast<std::size_t>(rank.rank())].push_back(test::param_hash(r));  // parameters at step start
+          return r.forward_backward(s, &ctx);
+        });
+        if (rank.rank() == 0 || !std::is_same_v<S, ddp_to_root>) m.sgd(0.05f);
+      }
+      if (rank.rank() == 0) rank0 = test::flat(m, false);
+    });
+    return rank0;
+  };
+  std::vector<std::vector<std::uint64_t>> h_root(world), h_all(world);
+  auto const root = train(ddp_to_root{}, h_root);
+  auto const all = train(dpl::ddp{}, h_all);
+  CHECK(root == all);
+  for (int r = 0; r < world; ++r) {
+    CHECK(h_root[static_cast<std::size_t>(r)] == h_root[0]);  // every rank starts each step from rank 0's model
+    CHECK(h_root[static_cast<std::size_t>(r)] == h_all[0]);
+  }
 }

@@ -180,3 +180,31 @@ TEST_CASE("bad input gets a clear error", "[host][dp][error]") {
   aliasing a{&s, &g};
   CHECK_THROWS_WITH(dp::data_parallel<aliasing>(a, dp::host::devices(2)), Catch::Contains("shares storage"));
 }
+
+namespace {
+/// DataParallel where every replica gets the reduced gradient and runs its own optimizer.
+struct dp_allreduce : dp::dp {
+  using replicate = dparallel::policy::replicate_once;
+  using reduce = dparallel::policy::all_reduce_replicas;
+};
+static_assert(dp::semantics<dp_allreduce>);
+}  // namespace
+
+TEST_CASE("policies compose: DP with all-reduce lets every replica run its own optimizer", "[host][dp][policy]") {
+  using T = double;
+  test::linreg<T> a(8, 3), b(8, 3);
+  dp::parallel<test::linreg<T>, dp_allreduce> every(a, dp::host::devices(3));
+  dp::data_parallel<test::linreg<T>> standard(b, dp::host::devices(3));
+  for (int s = 0; s < 5; ++s) {
+    auto const data = test::dataset<T>::make(s == 2 ? 2 : 11, 8, 40 + static_cast<std::uint64_t>(s), false);
+    auto fn = [](test::linreg<T>& m, test::samples<T> shard) { return m.forward_backward(shard); };
+    every.step(data.all(), fn);
+    standard.step(data.all(), fn);
+    for (std::size_t i = 0; i < 3; ++i) {
+      CHECK(test::flat(every.replica(i), true) == test::flat(b, true));  // same reduced gradient everywhere
+      every.replica(i).sgd(T(0.1));
+    }
+    b.sgd(T(0.1));
+    for (std::size_t i = 0; i < 3; ++i) CHECK(test::same_bits(every.replica(i), b));
+  }
+}

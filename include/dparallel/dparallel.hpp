@@ -4,7 +4,11 @@
 // CUDA, NCCL or MPI header (those come with backend/cuda, comm/nccl and comm/mpi).
 
 #include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/host.hpp>
+#include <dparallel/comm/work.hpp>
 #include <dparallel/core/batch.hpp>
+#include <dparallel/core/buckets.hpp>
 #include <dparallel/core/buffer.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
@@ -16,8 +20,10 @@
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/data/distributed_sampler.hpp>
 #include <dparallel/backend/host/backend.hpp>
+#include <dparallel/policy/bucketed_reduce.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replicate.hpp>
 #include <dparallel/policy/scatter.hpp>
 #include <dparallel/parallel.hpp>
+#include <dparallel/spawn.hpp>

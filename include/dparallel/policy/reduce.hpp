@@ -24,8 +24,9 @@ concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_
 namespace policy {
 
 /// DataParallel: the master's gradient becomes sum_i w_i * g_i over the replicas that received a
-/// shard, w_i being the shard's share of the batch; summed in device order on the master's
-/// stream, so results are deterministic and equal the one-device gradient of the mean loss.
+/// shard, w_i being the shard's share of the batch; summed pairwise in device order on the
+/// master's stream (host::weighted_sum), so results are deterministic and equal the one-device
+/// gradient of the mean loss.
 struct reduce_to_master {
   template <class Set>
   void on_construct(Set&) {}

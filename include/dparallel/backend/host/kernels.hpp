@@ -70,7 +70,12 @@ inline void add_scaled(tensor_ref dst, tensor_ref src, double alpha) {
       "host::add_scaled");
 }
 
-/// dst[i] = sum_k weights[k] * srcs[k][i], accumulated in k order in the element type.
+/// dst[i] = sum_k weights[k] * srcs[k][i], summed pairwise in source order: the terms are added
+/// as a balanced binary tree ((t0 + t1) + (t2 + t3)) + ..., built left to right (a partial sum is
+/// merged with its left neighbour as soon as both cover the same number of terms). The order is
+/// fixed, so results are deterministic; pairwise summation also keeps the rounding error
+/// O(log n). A model that sums its per-block gradients with the same tree gets bitwise the
+/// gradient of one device when shards are whole blocks of power-of-two size.
 /// `dst` may be one of the sources (element-wise in place); it must not partially overlap one.
 inline void weighted_sum(tensor_ref dst, std::span<tensor_ref const> srcs, std::span<double const> weights) {
   dparallel::detail::require(!srcs.empty() && srcs.size() == weights.size(),
@@ -82,21 +87,36 @@ inline void weighted_sum(tensor_ref dst, std::span<tensor_ref const> srcs, std::
       dst.dtype(),
       [&](auto zero) {
         using T = decltype(zero);
-        constexpr std::size_t tile = 1024;  // keeps the running sums in L1 while sources stream
-        T acc[tile];
+        constexpr std::size_t tile = 256;   // partial sums stay in L1 while the sources stream
+        constexpr std::size_t levels = 32;  // enough for 2^31 sources
+        T stack[levels][tile];
+        std::size_t terms[levels];
         T* d = static_cast<T*>(dst.data());
         std::size_t const n = dst.size();
         for (std::size_t base = 0; base < n; base += tile) {
           std::size_t const m = n - base < tile ? n - base : tile;
-          T const* s0 = static_cast<T const*>(srcs[0].data()) + base;
-          T const w0 = static_cast<T>(weights[0]);
-          for (std::size_t i = 0; i < m; ++i) acc[i] = w0 * s0[i];
-          for (std::size_t k = 1; k < srcs.size(); ++k) {
+          std::size_t depth = 0;
+          for (std::size_t k = 0; k < srcs.size(); ++k) {
             T const* s = static_cast<T const*>(srcs[k].data()) + base;
             T const w = static_cast<T>(weights[k]);
-            for (std::size_t i = 0; i < m; ++i) acc[i] += w * s[i];
+            T* top = stack[depth];
+            for (std::size_t i = 0; i < m; ++i) top[i] = w * s[i];
+            terms[depth++] = 1;
+            while (depth >= 2 && terms[depth - 1] == terms[depth - 2]) {
+              T* left = stack[depth - 2];
+              T const* right = stack[depth - 1];
+              for (std::size_t i = 0; i < m; ++i) left[i] += right[i];
+              terms[depth - 2] *= 2;
+              --depth;
+            }
           }
-          std::memcpy(d + base, acc, m * sizeof(T));
+          while (depth >= 2) {  // uneven counts: fold the remaining partial sums right to left
+            T* left = stack[depth - 2];
+            T const* right = stack[depth - 1];
+            for (std::size_t i = 0; i < m; ++i) left[i] += right[i];
+            --depth;
+          }
+          std::memcpy(d + base, stack[0], m * sizeof(T));
         }
       },
       "host::weighted_sum");

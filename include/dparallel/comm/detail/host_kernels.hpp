@@ -40,27 +40,48 @@ constexpr std::pair<std::size_t, std::size_t> rank_slice(std::size_t count, int 
   return {count * r / nn, count * (r + 1) / nn};
 }
 
-/// For i in [0, count): v = ((srcs[0][i] + srcs[1][i]) + ...) (times `scale` when `avg`), then
-/// dsts[k][i] = v for every k. A destination may be the same array as a source (in place), but
-/// must not partially overlap one. Works in L1-sized tiles: the running sums stay in cache while
-/// the sources stream, and each loop is a plain loop over separate arrays (vectorised at -O2).
+/// For i in [base, base + m): v = ((srcs[0][i] + srcs[1][i]) + ...), times `scale` when `avg`,
+/// then dsts[k][i] = v for every k. The running sums live in a local tile, so every destination
+/// may be the same array as a source (in place); none may partially overlap one.
+/// With M a compile-time count each loop has a constant trip count over separate arrays, which
+/// GCC vectorises even at -O2 (its "very cheap" cost model refuses loops that need an epilogue).
+template <class T, std::size_t M>
+inline void reduce_block(std::span<T const* const> srcs, std::span<T* const> dsts, std::size_t base, bool avg,
+                         T scale) {
+  T acc[M];
+  std::memcpy(acc, srcs[0] + base, M * sizeof(T));
+  for (std::size_t k = 1; k < srcs.size(); ++k) {
+    T const* s = srcs[k] + base;
+    for (std::size_t i = 0; i < M; ++i) acc[i] += s[i];
+  }
+  if (avg) {
+    for (std::size_t i = 0; i < M; ++i) acc[i] *= scale;
+  }
+  for (T* d : dsts) std::memcpy(d + base, acc, M * sizeof(T));
+}
+
+/// reduce_block for a short run of m (< 64) elements: the same arithmetic, element by element.
+template <class T>
+inline void reduce_short(std::span<T const* const> srcs, std::span<T* const> dsts, std::size_t base, std::size_t m,
+                         bool avg, T scale) {
+  for (std::size_t i = base; i < base + m; ++i) {
+    T v = srcs[0][i];
+    for (std::size_t k = 1; k < srcs.size(); ++k) v += srcs[k][i];
+    if (avg) v *= scale;
+    for (T* d : dsts) d[i] = v;
+  }
+}
+
+/// Elements [0, count) of the reduction described at reduce_block: L1-sized tiles (the running
+/// sums stay in cache while the sources stream), then 64-element blocks, then the last few.
 template <class T>
 void reduce_tiles(std::span<T const* const> srcs, std::span<T* const> dsts, std::size_t count, bool avg, T scale) {
-  constexpr std::size_t tile = 2048;
-  T acc[tile];
-  for (std::size_t base = 0; base < count; base += tile) {
-    std::size_t const m = count - base < tile ? count - base : tile;
-    T const* s0 = srcs[0] + base;
-    for (std::size_t i = 0; i < m; ++i) acc[i] = s0[i];
-    for (std::size_t k = 1; k < srcs.size(); ++k) {
-      T const* s = srcs[k] + base;
-      for (std::size_t i = 0; i < m; ++i) acc[i] += s[i];
-    }
-    if (avg) {
-      for (std::size_t i = 0; i < m; ++i) acc[i] *= scale;
-    }
-    for (T* d : dsts) std::memcpy(d + base, acc, m * sizeof(T));
-  }
+  constexpr std::size_t tile = 16384 / sizeof(T);
+  constexpr std::size_t block = 64;
+  std::size_t base = 0;
+  for (; count - base >= tile; base += tile) reduce_block<T, tile>(srcs, dsts, base, avg, scale);
+  for (; count - base >= block; base += block) reduce_block<T, block>(srcs, dsts, base, avg, scale);
+  reduce_short<T>(srcs, dsts, base, count - base, avg, scale);
 }
 
 /// The factor of reduce_op::avg over n ranks, as every engine must compute it: T(1) / T(n).

@@ -1,0 +1,246 @@
+#pragma once
+// The example's model: the 784-512-ReLU-10 multilayer perceptron with a softmax cross-entropy
+// loss, written as ordinary user code: std::vector storage, OpenBLAS GEMMs, no base class and
+// nothing from dparallel inside it. dparallel reaches its parameters through the
+// model_traits<mlp> specialisation at the end of this file, and copies it with its copy
+// constructor to make a replica per device.
+
+#include <dparallel/dparallel.hpp>
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// OpenBLAS's own threads would compete with dparallel's devices: one device is one core, so the
+// program calls openblas_set_num_threads(1) first. Declared here as well, since not every
+// cblas.h declares it.
+extern "C" void openblas_set_num_threads(int);
+
+/// One batch of samples: `images` holds rows = samples of 784 pixels, `labels` one class per
+/// sample. A plain struct of views: dparallel slices it into shards of the same type.
+struct batch {
+  dparallel::tensor_view<float const> images;
+  dparallel::tensor_view<std::int32_t const> labels;
+};
+
+/// SplitMix64: a small, fast, well-mixed 64-bit generator; the same numbers on every platform.
+class splitmix64 {
+ public:
+  explicit splitmix64(std::uint64_t seed) noexcept : state_(seed) {}
+  std::uint64_t operator()() noexcept {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  /// Uniform in [0, 1) with 24 random bits (every value exact in float).
+  float uniform() noexcept { return static_cast<float>((*this)() >> 40) * 0x1.0p-24f; }
+  /// Uniform in [0, n): the multiply-shift reduction, bias below n / 2^32.
+  std::uint64_t below(std::uint64_t n) noexcept { return ((*this)() >> 32) * n >> 32; }
+
+ private:
+  std::uint64_t state_;
+};
+
+struct mlp {
+  static constexpr std::size_t inputs = 784;
+  static constexpr std::size_t hidden = 512;
+  static constexpr std::size_t classes = 10;
+
+  // Row-major: w1 is inputs x hidden, w2 is hidden x classes; a layer computes x W + b.
+  std::vector<float> w1, b1, w2, b2;
+  std::vector<float> gw1, gb1, gw2, gb2;  // gradients of the mean loss of the last forward_backward
+
+  /// Deterministic initialisation from `seed`: He-uniform for the ReLU layer, Glorot-uniform for
+  /// the output layer, zero biases.
+  explicit mlp(std::uint64_t seed)
+      : w1(inputs * hidden),
+        b1(hidden, 0.0f),
+        w2(hidden * classes),
+        b2(classes, 0.0f),
+        gw1(w1.size()),
+        gb1(b1.size()),
+        gw2(w2.size()),
+        gb2(b2.size()) {
+    splitmix64 rng(seed);
+    auto fill = [&](std::vector<float>& w, float limit) {
+      for (float& x : w) x = (2.0f * rng.uniform() - 1.0f) * limit;
+    };
+    fill(w1, std::sqrt(6.0f / static_cast<float>(inputs)));
+    fill(w2, std::sqrt(6.0f / static_cast<float>(hidden + classes)));
+  }
+
+  /// Samples are processed in blocks of this many; see forward_backward.
+  static constexpr std::size_t block = 32;
+
+  /// Forward and backward over `b`: leaves the gradient of the mean loss over `b` in gw1..gb2
+  /// (overwriting them) and returns that mean loss.
+  ///
+  /// The batch is processed in blocks of `block` samples whose gradients are summed pairwise,
+  /// ((g0 + g1) + (g2 + g3)) + ..., the tree dparallel's DataParallel reduction uses across devices.
+  /// So when every device's shard is a power-of-two number of whole blocks (global batch 128 on 1,
+  /// 2 or 4 devices), DataParallel computes bitwise the gradient of one device: the example's
+  /// single and dp runs then train the same model bit for bit (but for the last, partial batch).
+  float forward_backward(batch const& b) {
+    std::size_t const n = check(b);
+    float const inv_n = 1.0f / static_cast<float>(n);
+    double loss = 0;
+    std::size_t depth = 0;
+    for (std::size_t first = 0; first < n; first += block) {
+      std::size_t const m = std::min(block, n - first);
+      loss += block_gradient(b, first, m, inv_n, level(depth));
+      terms_[depth++] = 1;
+      while (depth >= 2 && terms_[depth - 1] == terms_[depth - 2]) {
+        add(level(depth - 2), level(depth - 1));
+        terms_[depth - 2] *= 2;
+        --depth;
+      }
+    }
+    for (; depth >= 2; --depth) add(level(depth - 2), level(depth - 1));
+    return static_cast<float>(loss / static_cast<double>(n));
+  }
+
+  /// Number of samples of `b` whose largest logit is at their label (ties: the lowest class).
+  std::size_t count_correct(batch const& b) {
+    std::size_t const n = check(b);
+    std::size_t correct = 0;
+    for (std::size_t first = 0; first < n; first += block) {
+      std::size_t const m = std::min(block, n - first);
+      forward(b.images.data() + first * inputs, m);
+      for (std::size_t i = 0; i < m; ++i) {
+        float const* z = logits_.data() + i * classes;
+        auto const predicted = static_cast<std::size_t>(std::max_element(z, z + classes) - z);
+        correct += predicted == static_cast<std::size_t>(b.labels[first + i]) ? 1 : 0;
+      }
+    }
+    return correct;
+  }
+
+ private:
+  // One set of gradient tensors: the model's own (level 0) or a scratch partial sum.
+  struct grad_set {
+    float *w1, *b1, *w2, *b2;
+  };
+  grad_set level(std::size_t k) {
+    if (k == 0) return {gw1.data(), gb1.data(), gw2.data(), gb2.data()};
+    while (scratch_.size() < k) scratch_.emplace_back(gw1.size() + gb1.size() + gw2.size() + gb2.size());
+    float* p = scratch_[k - 1].data();
+    return {p, p + gw1.size(), p + gw1.size() + gb1.size(), p + gw1.size() + gb1.size() + gw2.size()};
+  }
+  void add(grad_set into, grad_set from) const {
+    auto sum = [](float* d, float const* s, std::size_t count) {
+      for (std::size_t i = 0; i < count; ++i) d[i] += s[i];
+    };
+    sum(into.w1, from.w1, gw1.size());
+    sum(into.b1, from.b1, gb1.size());
+    sum(into.w2, from.w2, gw2.size());
+    sum(into.b2, from.b2, gb2.size());
+  }
+
+  // Forward and backward over samples [first, first + m) of `b`; writes their contribution to the
+  // gradient of the batch's mean loss (each sample weighted by inv_n) into `out`; returns the
+  // block's summed loss.
+  double block_gradient(batch const& b, std::size_t first, std::size_t m, float inv_n, grad_set out) {
+    float const* x = b.images.data() + first * inputs;
+    forward(x, m);
+    // Softmax cross-entropy; logits_ becomes d(mean loss)/d(logits) = (softmax - onehot) / n.
+    double loss = 0;
+    for (std::size_t i = 0; i < m; ++i) {
+      float* z = logits_.data() + i * classes;
+      float const mx = *std::max_element(z, z + classes);
+      float s = 0;
+      for (std::size_t j = 0; j < classes; ++j) s += std::exp(z[j] - mx);
+      auto const y = static_cast<std::size_t>(b.labels[first + i]);
+      loss += static_cast<double>(mx + std::log(s) - z[y]);
+      for (std::size_t j = 0; j < classes; ++j) z[j] = std::exp(z[j] - mx) / s * inv_n;
+      z[y] -= inv_n;
+    }
+    // Output layer: gw2 = H^T dZ2, gb2 = column sums of dZ2, dH = dZ2 W2^T.
+    auto const mi = static_cast<int>(m);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int{hidden}, int{classes}, mi, 1.0f, hidden_.data(),
+                int{hidden}, logits_.data(), int{classes}, 0.0f, out.w2, int{classes});
+    column_sums(logits_.data(), m, classes, out.b2);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mi, int{hidden}, int{classes}, 1.0f, logits_.data(),
+                int{classes}, w2.data(), int{classes}, 0.0f, delta_.data(), int{hidden});
+    // Through the ReLU: dZ1 = dH where the unit was active.
+    for (std::size_t k = 0; k < m * hidden; ++k)
+      if (!(hidden_[k] > 0.0f)) delta_[k] = 0.0f;
+    // First layer: gw1 = X^T dZ1, gb1 = column sums of dZ1.
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int{inputs}, int{hidden}, mi, 1.0f, x, int{inputs},
+                delta_.data(), int{hidden}, 0.0f, out.w1, int{hidden});
+    column_sums(delta_.data(), m, hidden, out.b1);
+    return loss;
+  }
+
+  // Checks the batch's shape; sizes the scratch buffers. Returns the number of samples.
+  std::size_t check(batch const& b) {
+    std::size_t const n = b.images.rows();
+    if (n == 0 || b.images.row_size() != inputs || b.labels.rows() != n || b.labels.row_size() != 1) {
+      throw std::invalid_argument("mlp: expected a batch of n >= 1 images of " + std::to_string(inputs) +
+                                  " pixels and n labels, found " + std::to_string(n) + " images of " +
+                                  std::to_string(b.images.row_size()) + " values and " +
+                                  std::to_string(b.labels.size()) + " labels; view the images with rows = samples");
+    }
+    if (n * inputs > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+      throw std::invalid_argument("mlp: a batch of " + std::to_string(n) + " samples is too large for one GEMM");
+    for (std::size_t i = 0; i < n; ++i) {
+      if (b.labels[i] < 0 || static_cast<std::size_t>(b.labels[i]) >= classes) {
+        throw std::invalid_argument("mlp: expected labels 0.." + std::to_string(classes - 1) + ", found " +
+                                    std::to_string(b.labels[i]) + " for sample " + std::to_string(i));
+      }
+    }
+    std::size_t const rows = std::min(n, block);  // forward_backward works block by block
+    if (hidden_.size() < rows * hidden) {
+      hidden_.resize(rows * hidden);
+      delta_.resize(rows * hidden);
+      logits_.resize(rows * classes);
+    }
+    return n;
+  }
+
+  // hidden_ = relu(X W1 + b1), logits_ = hidden_ W2 + b2, for the first n rows of X.
+  void forward(float const* x, std::size_t n) {
+    auto const ni = static_cast<int>(n);
+    for (std::size_t i = 0; i < n; ++i) std::copy(b1.begin(), b1.end(), hidden_.begin() + i * hidden);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, int{hidden}, int{inputs}, 1.0f, x, int{inputs},
+                w1.data(), int{hidden}, 1.0f, hidden_.data(), int{hidden});
+    for (std::size_t k = 0; k < n * hidden; ++k) hidden_[k] = std::max(hidden_[k], 0.0f);
+    for (std::size_t i = 0; i < n; ++i) std::copy(b2.begin(), b2.end(), logits_.begin() + i * classes);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, int{classes}, int{hidden}, 1.0f, hidden_.data(),
+                int{hidden}, w2.data(), int{classes}, 1.0f, logits_.data(), int{classes});
+  }
+
+  // out[j] = sum_i d[i * cols + j], accumulated in row order.
+  static void column_sums(float const* d, std::size_t rows, std::size_t cols, float* out) {
+    std::fill(out, out + cols, 0.0f);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) out[j] += d[i * cols + j];
+  }
+
+  // Scratch, sized for the largest batch (or block) seen; each replica has its own.
+  std::vector<float> hidden_, delta_, logits_;
+  std::vector<std::vector<float>> scratch_;  // partial gradient sums of the pairwise tree
+  std::size_t terms_[64] = {};               // blocks summed in each partial sum
+};
+
+/// The adaptation to dparallel, outside the model: its parameters and their gradients, in the
+/// same stable order. Replicas come from mlp's copy constructor.
+template <>
+struct dparallel::model_traits<mlp> {
+  static auto parameters(mlp& m) {
+    return std::array{dparallel::view(m.w1), dparallel::view(m.b1), dparallel::view(m.w2), dparallel::view(m.b2)};
+  }
+  static auto gradients(mlp& m) {
+    return std::array{dparallel::view(m.gw1), dparallel::view(m.gb1), dparallel::view(m.gw2), dparallel::view(m.gb2)};
+  }
+};
+static_assert(dparallel::replicable_model<mlp>);
+static_assert(dparallel::batch<batch>);

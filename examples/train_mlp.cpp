@@ -1,0 +1,507 @@
+// train_mlp: trains the 784-512-ReLU-10 MLP on Fashion-MNIST, on one device (--mode single) or
+// with DataParallel over host logical devices (--mode dp --devices N), and reports the test
+// accuracy, the throughput and a fingerprint of the trained parameters.
+//
+// Every mode shares the data, the batch order, the batch gathering, the optimizer and the
+// evaluation; a mode only says how one global batch becomes a loss and the gradient of the mean
+// loss on the master model (see `modes` below). With the same seed, the modes visit the same
+// batches in the same order. The model sums per-block gradients with the same pairwise tree as
+// dparallel's reductions (see mlp::forward_backward), so with global batch 128 on 2 or 4 devices
+// every full batch gives bitwise the one-device gradient, and the runs differ only through the
+// epoch's last, partial batch (result::early, taken after 20 steps, is bitwise equal).
+
+#include "fashion_mnist.hpp"
+#include "mlp.hpp"
+
+#include <dparallel/dparallel.hpp>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Options
+
+struct config {
+  std::string mode = "single";
+  int devices = 0;  // 0 = the mode's default
+  int epochs = 5;
+  std::size_t global_batch = 128;
+  double lr = 0.1;
+  std::uint64_t seed = 1;
+  int sampler_replicas = 0;  // 0 = the mode's default (single, dp: 1; ddp: --devices)
+  bool json = false;
+  bool help = false;
+  std::string data = fashion_mnist::default_dir;
+};
+
+/// A bad command line: reported with exit code 2.
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct training_data {
+  fashion_mnist::dataset train, test;
+};
+
+/// Sum and L2 norm of all parameters, accumulated in double in parameters() order.
+struct fingerprint {
+  double sum = 0;
+  double l2 = 0;
+};
+
+/// Optimizer steps after which result::early is taken.
+constexpr std::size_t early_steps = 20;
+
+/// What a run reports.
+struct result {
+  int devices = 1;
+  double train_loss = 0;     // mean loss over the last epoch's batches (sample-weighted)
+  double test_accuracy = 0;  // after the last epoch
+  double samples_per_s = 0;  // training samples / training wall time, all epochs
+  double train_seconds = 0;  // training wall time, all epochs, evaluation excluded
+  fingerprint params;        // of the trained parameters
+  // Of the parameters after the first `early_steps` optimizer steps (all of them if fewer): equal
+  // to the bit between modes whose gradients are (example_check compares them).
+  std::size_t early_steps = 0;
+  fingerprint early;
+};
+
+// ------------------------------------------------------------------------------------------------
+// What every mode shares
+
+/// The samples of one epoch, as DDP with R ranks reads them: rank r reads the indices that
+/// dparallel::distributed_sampler (shuffled from seed + epoch) gives it, in batches of B / R, and
+/// global batch j is the concatenation, in rank order, of every rank's batch j. Single and dp runs
+/// with --sampler-replicas R visit exactly the batches of a DDP run with R ranks, in the same
+/// order (R = 1 is the plain shuffled order).
+class epoch_plan {
+ public:
+  epoch_plan(std::size_t dataset_size, int replicas, std::size_t global_batch, std::uint64_t seed, int epoch)
+      : per_rank_(global_batch / static_cast<std::size_t>(replicas)) {
+    for (int r = 0; r < replicas; ++r) {
+      dparallel::distributed_sampler sampler(dataset_size, replicas, r, {.shuffle = true, .seed = seed});
+      sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+      streams_.emplace_back(sampler.begin(), sampler.end());
+    }
+  }
+  /// Number of global batches (the last may be smaller).
+  [[nodiscard]] std::size_t batches() const { return (streams_[0].size() + per_rank_ - 1) / per_rank_; }
+  /// Rank r's samples of global batch j.
+  [[nodiscard]] std::span<std::uint32_t const> slice(std::size_t j, int r) const {
+    auto const& s = streams_[static_cast<std::size_t>(r)];
+    std::size_t const first = j * per_rank_;
+    return std::span<std::uint32_t const>(s).subspan(first, std::min(per_rank_, s.size() - first));
+  }
+  /// Every rank's samples of global batch j, in rank order.
+  [[nodiscard]] std::vector<std::uint32_t> global(std::size_t j) const {
+    std::vector<std::uint32_t> all;
+    for (int r = 0; r < static_cast<int>(streams_.size()); ++r) {
+      auto const part = slice(j, r);
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    return all;
+  }
+  [[nodiscard]] std::size_t samples() const { return streams_.size() * streams_[0].size(); }
+
+ private:
+  std::size_t per_rank_;
+  std::vector<std::vector<std::uint32_t>> streams_;
+};
+
+/// Copies the samples a batch names into contiguous buffers and views them as one batch
+/// (images with rows = samples). The views stay valid until the next gather().
+class batch_gatherer {
+ public:
+  batch_gatherer(fashion_mnist::dataset const& data, std::size_t capacity)
+      : data_(&data), images_(capacity * mlp::inputs), labels_(capacity) {}
+
+  batch gather(std::span<std::uint32_t const> samples) {
+    if (samples.size() > labels_.size()) {
+      images_.resize(samples.size() * mlp::inputs);
+      labels_.resize(samples.size());
+    }
+    std::size_t const n = samples.size();
+    for (std::size_t i = 0; i < n; ++i) {
+      float const* src = data_->images.data() + std::size_t{samples[i]} * mlp::inputs;
+      std::copy(src, src + mlp::inputs, images_.begin() + static_cast<std::ptrdiff_t>(i * mlp::inputs));
+      labels_[i] = data_->labels[samples[i]];
+    }
+    return {dparallel::tensor_view<float const>(images_.data(), n * mlp::inputs, n),
+            dparallel::tensor_view<std::int32_t const>(labels_.data(), n, n)};
+  }
+
+ private:
+  fashion_mnist::dataset const* data_;
+  std::vector<float> images_;
+  std::vector<std::int32_t> labels_;
+};
+
+/// Plain SGD on the master: p -= lr * g for every parameter, reached through the same
+/// customisation points dparallel uses.
+void sgd(mlp& m, float lr) {
+  auto params = dparallel::parameters(m);
+  auto grads = dparallel::gradients(m);
+  for (std::size_t k = 0; k < params.size(); ++k)
+    for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
+}
+
+/// Fraction of `test` that `m` classifies correctly.
+double evaluate(mlp& m, fashion_mnist::dataset const& test) {
+  constexpr std::size_t chunk = 1000;
+  std::size_t correct = 0;
+  for (std::size_t first = 0; first < test.size(); first += chunk) {
+    std::size_t const n = std::min(chunk, test.size() - first);
+    batch const b{dparallel::tensor_view<float const>(test.images.data() + first * mlp::inputs, n * mlp::inputs, n),
+                  dparallel::tensor_view<std::int32_t const>(test.labels.data() + first, n, n)};
+    correct += m.count_correct(b);
+  }
+  return static_cast<double>(correct) / static_cast<double>(test.size());
+}
+
+fingerprint parameter_fingerprint(mlp& m) {
+  double sum = 0, sq = 0;
+  for (auto const& p : dparallel::parameters(m))
+    for (float x : p) {
+      sum += static_cast<double>(x);
+      sq += static_cast<double>(x) * static_cast<double>(x);
+    }
+  return {sum, std::sqrt(sq)};
+}
+
+using seconds = std::chrono::duration<double>;
+
+/// The training loop every mode runs. `step(batch const&) -> double` is the mode: it returns the
+/// mean loss over the global batch and leaves the gradient of that mean loss in `master`'s
+/// gradients. Then SGD updates `master`; after each epoch `master` is evaluated on the test set.
+/// `rank` is -1 for modes that see the whole global batch; a DDP rank passes its rank and gets
+/// only its own part of every batch (rank 0 alone evaluates and prints).
+template <class Step>
+result train(config const& cfg, training_data const& data, mlp& master, int rank, Step&& step) {
+  result r;
+  bool const reports = rank <= 0;
+  batch_gatherer gatherer(data.train, cfg.global_batch);
+  auto const lr = static_cast<float>(cfg.lr);
+  seconds total{0};
+  std::size_t steps = 0, seen = 0;
+  for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
+    auto const start = std::chrono::steady_clock::now();
+    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, cfg.seed, epoch);
+    double loss_sum = 0;
+    for (std::size_t j = 0; j < plan.batches(); ++j) {
+      std::vector<std::uint32_t> const all = plan.global(j);
+      batch const b = rank < 0 ? gatherer.gather(all) : gatherer.gather(plan.slice(j, rank));
+      double const loss = step(b);
+      sgd(master, lr);
+      loss_sum += loss * static_cast<double>(all.size());
+      if (++steps == early_steps) {
+        r.early_steps = steps;
+        r.early = parameter_fingerprint(master);  // once; well under a millisecond
+      }
+    }
+    seconds const took = std::chrono::steady_clock::now() - start;
+    total += took;
+    seen += plan.samples();
+    r.train_loss = loss_sum / static_cast<double>(plan.samples());
+    if (!reports) continue;
+    r.test_accuracy = evaluate(master, data.test);
+    std::printf("epoch %d/%d  train_loss %.4f  test_accuracy %.4f  samples/s %.0f  (%.2f s)\n", epoch + 1, cfg.epochs,
+                r.train_loss, r.test_accuracy, static_cast<double>(plan.samples()) / took.count(), took.count());
+    std::fflush(stdout);
+  }
+  r.train_seconds = total.count();
+  r.samples_per_s = static_cast<double>(seen) / total.count();
+  r.params = parameter_fingerprint(master);
+  if (steps < early_steps) {
+    r.early_steps = steps;
+    r.early = r.params;
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The modes: one function each, sharing everything above.
+
+/// One device: the model runs the whole global batch itself.
+result run_single(config const& cfg, training_data const& data) {
+  mlp model(cfg.seed);
+  result r =
+      train(cfg, data, model, -1, [&](batch const& b) { return static_cast<double>(model.forward_backward(b)); });
+  r.devices = 1;
+  return r;
+}
+
+/// DataParallel over `cfg.devices` host logical devices: each step splits the global batch into
+/// shards (torch.chunk), copies the master's parameters to the replicas, runs forward/backward on
+/// every shard concurrently and reduces the shard-weighted gradients onto the master.
+result run_dp(config const& cfg, training_data const& data) {
+  mlp model(cfg.seed);
+  dparallel::data_parallel<mlp> dp(model, dparallel::host::devices(cfg.devices));
+  result r = train(cfg, data, dp.module(), -1, [&](batch const& b) {
+    std::vector<float> const losses =
+        dp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+    // One mean loss per device that received a shard, in device order: weight each by its size.
+    double sum = 0;
+    std::size_t k = 0;
+    for (std::size_t size : dp.last_shard_sizes())
+      if (size != 0) sum += static_cast<double>(losses[k++]) * static_cast<double>(size);
+    return sum / static_cast<double>(b.images.rows());
+  });
+  r.devices = cfg.devices;
+  return r;
+}
+
+/// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
+/// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
+/// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
+result run_ddp(config const& cfg, training_data const& data) {
+  result out;
+  dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
+    mlp model(cfg.seed);
+    dparallel::distributed_data_parallel<mlp> ddp(model, rank.group());
+    result r = train(cfg, data, ddp.module(), rank.rank(), [&](batch const& b) {
+      float const loss =
+          ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+      // The global batch's mean loss, for the progress line: sum of (loss x samples) over ranks.
+      std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
+                                 static_cast<double>(b.images.rows())};
+      rank.group().all_reduce(dparallel::view(sums)).wait();
+      return sums[0] / sums[1];
+    });
+    if (rank.rank() == 0) out = r;
+  });
+  out.devices = cfg.devices;
+  return out;
+}
+
+struct mode {
+  std::string_view name;
+  result (*run)(config const&, training_data const&);
+  std::string_view help;
+};
+constexpr std::array modes{
+    mode{"single", &run_single, "one device runs every batch"},
+    mode{"dp", &run_dp, "DataParallel over --devices host logical devices"},
+    mode{"ddp", &run_ddp, "DistributedDataParallel over --devices thread ranks"},
+};
+
+mode const* find_mode(std::string_view name) {
+  for (auto const& m : modes)
+    if (m.name == name) return &m;
+  return nullptr;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Command line
+
+void print_usage(std::FILE* out) {
+  std::fprintf(out,
+               "usage: train_mlp [options]\n"
+               "Trains the 784-512-ReLU-10 MLP on Fashion-MNIST with SGD and reports test accuracy and throughput.\n"
+               "\n"
+               "  --mode M       ");
+  for (std::size_t i = 0; i < modes.size(); ++i)
+    std::fprintf(out, "%s%.*s", i == 0 ? "" : "|", static_cast<int>(modes[i].name.size()), modes[i].name.data());
+  std::fprintf(out, " (default: single)\n");
+  for (auto const& m : modes)
+    std::fprintf(out, "                   %.*s: %.*s\n", static_cast<int>(m.name.size()), m.name.data(),
+                 static_cast<int>(m.help.size()), m.help.data());
+  std::fprintf(out,
+               "  --devices N    dp: host logical devices, ddp: thread ranks, one core each (default: the\n"
+               "                 hardware threads, %u here); single: 1\n"
+               "  --epochs E     passes over the 60000 training images (default: 5)\n"
+               "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
+               "  --lr LR        SGD learning rate (default: 0.1)\n"
+               "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1)\n"
+               "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
+               "                 the concatenation of the R ranks' batch j (default: 1; ddp: --devices)\n"
+               "  --data DIR     folder of the gzip'ed IDX files (default: %s)\n"
+               "  --json         end with one line holding a JSON object of the results\n"
+               "  --help         this text\n",
+               std::max(1u, std::thread::hardware_concurrency()), fashion_mnist::default_dir);
+}
+
+template <class Int>
+Int parse_int(std::string_view option, std::string_view text, Int min, Int max) {
+  Int v{};
+  auto const [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range ||
+      (ec == std::errc{} && end == text.data() + text.size() && (v < min || v > max)))
+    throw usage_error(std::string(option) + ": expected an integer from " + std::to_string(min) + " to " +
+                      std::to_string(max) + ", found '" + std::string(text) + "'");
+  if (ec != std::errc{} || end != text.data() + text.size())
+    throw usage_error(std::string(option) + ": expected an integer, found '" + std::string(text) + "'");
+  return v;
+}
+
+double parse_positive(std::string_view option, std::string_view text) {
+  std::string const s(text);
+  char* end = nullptr;
+  double const v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || !(v > 0))
+    throw usage_error(std::string(option) + ": expected a positive number, found '" + s + "'");
+  return v;
+}
+
+config parse_command_line(int argc, char** argv) {
+  config cfg;
+  bool devices_given = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    std::string_view value;
+    bool has_value = false;
+    if (auto const eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    auto flag = [&] {
+      if (has_value) throw usage_error(std::string(arg) + " takes no value");
+    };
+    auto next = [&]() -> std::string_view {
+      if (has_value) return value;
+      if (i + 1 >= argc) throw usage_error(std::string(arg) + ": expected a value after it");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      flag();
+      cfg.help = true;
+    } else if (arg == "--json") {
+      flag();
+      cfg.json = true;
+    } else if (arg == "--mode") {
+      cfg.mode = std::string(next());
+      if (find_mode(cfg.mode) == nullptr) {
+        std::string known;
+        for (auto const& m : modes) known += (known.empty() ? "" : ", ") + std::string(m.name);
+        throw usage_error("--mode: expected one of " + known + ", found '" + cfg.mode + "'");
+      }
+    } else if (arg == "--devices") {
+      cfg.devices = parse_int<int>(arg, next(), 1, 1024);
+      devices_given = true;
+    } else if (arg == "--epochs") {
+      cfg.epochs = parse_int<int>(arg, next(), 1, 100000);
+    } else if (arg == "--batch") {
+      cfg.global_batch = parse_int<std::size_t>(arg, next(), 1, 60000);
+    } else if (arg == "--lr") {
+      cfg.lr = parse_positive(arg, next());
+    } else if (arg == "--seed") {
+      cfg.seed = parse_int<std::uint64_t>(arg, next(), 0, UINT64_MAX);
+    } else if (arg == "--sampler-replicas") {
+      cfg.sampler_replicas = parse_int<int>(arg, next(), 1, 1024);
+    } else if (arg == "--data") {
+      cfg.data = std::string(next());
+      if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
+    } else {
+      throw usage_error("unknown option '" + std::string(argv[i]) + "'");
+    }
+  }
+  if (cfg.mode == "single") {
+    if (devices_given && cfg.devices != 1)
+      throw usage_error("--devices " + std::to_string(cfg.devices) +
+                        ": --mode single runs on one device; use --mode dp for several");
+    cfg.devices = 1;
+  } else if (!devices_given) {
+    cfg.devices = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
+  if (cfg.mode == "ddp") {
+    if (cfg.sampler_replicas != 0 && cfg.sampler_replicas != cfg.devices)
+      throw usage_error("--sampler-replicas " + std::to_string(cfg.sampler_replicas) +
+                        ": --mode ddp reads the data as its " + std::to_string(cfg.devices) + " ranks do");
+    cfg.sampler_replicas = cfg.devices;
+  } else if (cfg.sampler_replicas == 0) {
+    cfg.sampler_replicas = 1;
+  }
+  if (cfg.global_batch % static_cast<std::size_t>(cfg.sampler_replicas) != 0)
+    throw usage_error("--batch " + std::to_string(cfg.global_batch) + ": expected a multiple of the " +
+                      std::to_string(cfg.sampler_replicas) + " sampler replicas (ranks), which share it equally");
+  return cfg;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Output
+
+/// The shortest text that reads back as `v` (JSON null when not finite).
+std::string number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char s[64];
+  auto const [end, ec] = std::to_chars(s, s + sizeof s, v);
+  return ec == std::errc{} ? std::string(s, end) : "null";
+}
+/// `v` with 17 significant digits (JSON null when not finite).
+std::string exact(double v) {
+  if (!std::isfinite(v)) return "null";
+  char s[64];
+  std::snprintf(s, sizeof s, "%.17g", v);
+  return s;
+}
+
+std::string to_json(config const& cfg, result const& r, training_data const& data) {
+  return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"host\",\"devices\":" + std::to_string(r.devices) +
+         ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
+         ",\"lr\":" + number(cfg.lr) + ",\"seed\":" + std::to_string(cfg.seed) +
+         ",\"sampler_replicas\":" + std::to_string(cfg.sampler_replicas) +
+         ",\"train_samples\":" + std::to_string(data.train.size()) +
+         ",\"test_samples\":" + std::to_string(data.test.size()) + ",\"test_accuracy\":" + number(r.test_accuracy) +
+         ",\"train_loss\":" + number(r.train_loss) + ",\"samples_per_s\":" + number(r.samples_per_s) +
+         ",\"train_seconds\":" + number(r.train_seconds) + ",\"param_sum\":" + exact(r.params.sum) +
+         ",\"param_l2\":" + exact(r.params.l2) + ",\"early_steps\":" + std::to_string(r.early_steps) +
+         ",\"early_param_sum\":" + exact(r.early.sum) + ",\"early_param_l2\":" + exact(r.early.l2) + "}";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  config cfg;
+  try {
+    cfg = parse_command_line(argc, argv);
+  } catch (usage_error const& e) {
+    std::fprintf(stderr, "train_mlp: %s\nRun train_mlp --help for the options.\n", e.what());
+    return 2;
+  }
+  if (cfg.help) {
+    print_usage(stdout);
+    return 0;
+  }
+
+  // One device is one core: OpenBLAS must not start threads of its own under dparallel's.
+  openblas_set_num_threads(1);
+
+  try {
+    training_data const data{fashion_mnist::load(cfg.data, "train"), fashion_mnist::load(cfg.data, "t10k")};
+    std::printf("train_mlp: mode %s on %d host device%s, %zu training / %zu test images from %s\n", cfg.mode.c_str(),
+                cfg.devices, cfg.devices == 1 ? "" : "s", data.train.size(), data.test.size(), cfg.data.c_str());
+    std::printf("train_mlp: %d epoch%s, global batch %zu, lr %s, seed %llu\n", cfg.epochs, cfg.epochs == 1 ? "" : "s",
+                cfg.global_batch, number(cfg.lr).c_str(), static_cast<unsigned long long>(cfg.seed));
+    std::fflush(stdout);
+
+    result const r = find_mode(cfg.mode)->run(cfg, data);
+
+    std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",
+                r.test_accuracy, r.train_loss, r.samples_per_s, exact(r.params.sum).c_str(),
+                exact(r.params.l2).c_str());
+    if (cfg.json) std::printf("%s\n", to_json(cfg, r, data).c_str());
+    std::fflush(stdout);
+  } catch (std::exception const& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "train_mlp: error: %s\n", e.what());  // a device_error's text names the device
+    return 1;
+  }
+  return 0;
+}
