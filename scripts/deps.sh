@@ -2,7 +2,7 @@
 # Sourced by scripts/test and scripts/example: makes sure the Debian packages the build needs are
 # installed. As root it installs what is missing; otherwise it prints the apt-get line and fails.
 dparallel_packages=(
-  cmake g++ make
+  cmake g++ make pkg-config
   catch2                 # the test framework (Catch2 2.x)
   libopenblas-dev        # the example model's GEMM
   zlib1g-dev             # reading the gzip'ed IDX files
