@@ -8,7 +8,8 @@
 //   });
 //
 // spawn joins every rank before it returns or throws, and releases the group (its communication
-// threads are joined), so it leaves no thread behind. A rank whose function throws aborts the
+// threads are joined), so it leaves no thread behind, unless `fn` kept a copy of its
+// process_group beyond its return (the copy keeps that rank's communicator and thread alive). A rank whose function throws aborts the
 // group: the other ranks' pending and later collectives fail at once with a comm_error naming it.
 // A rank whose function returns is closed: peers that wait for a collective it never issued fail
 // at once with a timeout_error naming it, rather than at the timeout.

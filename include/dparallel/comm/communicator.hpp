@@ -173,8 +173,8 @@ class process_group {
   /// Number of collectives this rank has finished (successfully or not).
   [[nodiscard]] std::uint64_t completed_ops() const { return get().completed_ops(); }
   /// Blocks until every collective this rank issued has finished, successfully or not; never
-  /// rethrows their failures. After abort(), this returns at once-ish; use it before freeing the
-  /// buffers of works nobody will wait on.
+  /// rethrows their failures. Use it before freeing the buffers of works nobody will wait on
+  /// (after abort(), when giving up: the pending collectives then fail at once).
   void drain() const { get().drain(); }
 
  private:

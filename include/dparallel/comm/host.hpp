@@ -14,7 +14,9 @@
 // it), abort() (comm_error naming the aborting rank and its reason), mismatched collectives
 // (comm_error showing both calls) and invalid arguments (invalid_argument on the caller; the
 // group is aborted so its peers fail at once rather than at the timeout) all fail every pending
-// and future collective of the group. A failed group stays failed: make a new one.
+// and future collective of the group. A failed group stays failed: make a new one. A timeout
+// counts from the moment a rank's thread starts the collective (its earlier ones are done), per
+// phase: waiting for the peers to arrive, and waiting for them to finish their slices.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
@@ -33,7 +35,6 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>

@@ -8,11 +8,15 @@
 // wait() returns or throws within about that timeout after the collective started.
 
 #include <dparallel/config.hpp>
+#include <dparallel/core/error.hpp>
 
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <typeinfo>
 #include <utility>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -46,15 +50,29 @@ class work {
     if (!s_) return nullptr;
     std::unique_lock lock(s_->m);
     s_->cv.wait(lock, [&] { return s_->done; });
-    return s_->error;
+    switch (s_->kind) {
+      case failure_kind::comm: return std::make_exception_ptr(comm_error(s_->rank, s_->what));
+      case failure_kind::timeout: return std::make_exception_ptr(timeout_error(s_->rank, s_->what));
+      case failure_kind::other: return s_->error;
+      case failure_kind::none: break;
+    }
+    return nullptr;
   }
 
  private:
   friend class detail::work_promise;
+  // A comm_error or timeout_error is kept as its parts, and each wait makes its own exception
+  // object from them: waiters on different threads never share one, so no thread destroys an
+  // exception another may still be reading (std::exception_ptr's reference count is hidden from
+  // ThreadSanitizer, which would otherwise report such hand-overs). Other failures are kept as is.
+  enum class failure_kind : std::uint8_t { none, comm, timeout, other };
   struct state {
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
+    failure_kind kind = failure_kind::none;
+    int rank = -1;
+    std::string what;
     std::exception_ptr error;
   };
   std::shared_ptr<state> s_;
@@ -74,10 +92,31 @@ class work_promise {
     return w;
   }
 
+  /// Completes the work, successfully when `error` is null. Call once.
   void complete(std::exception_ptr error = nullptr) const {
+    auto kind = work::failure_kind::none;
+    int rank = -1;
+    std::string what;
+    if (error) {
+      kind = work::failure_kind::other;
+      try {
+        std::rethrow_exception(error);
+      } catch (comm_error const& e) {  // exactly comm_error or timeout_error: rebuilt per wait
+        if (typeid(e) == typeid(comm_error) || typeid(e) == typeid(timeout_error)) {
+          kind = typeid(e) == typeid(comm_error) ? work::failure_kind::comm : work::failure_kind::timeout;
+          rank = e.rank();
+          what = e.what();
+        }
+      } catch (...) {
+      }
+      if (kind != work::failure_kind::other) error = nullptr;
+    }
     {
       std::lock_guard lock(s_->m);
       s_->done = true;
+      s_->kind = kind;
+      s_->rank = rank;
+      s_->what = std::move(what);
       s_->error = std::move(error);
     }
     s_->cv.notify_all();

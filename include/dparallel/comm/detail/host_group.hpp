@@ -12,7 +12,8 @@
 //  4. depart: publish `seq` as done and wait until every rank has; only then is the work done,
 //     so no rank reuses or releases a buffer another rank may still read or write.
 // One published record per rank suffices: a rank can publish seq+1 only after every rank has
-// departed seq, i.e. after every rank is done reading the records of seq.
+// departed seq, i.e. after every rank is done reading the records of seq (and once the group has
+// failed, nobody publishes anything).
 //
 // Failure (abort, timeout, mismatch) is sticky: it fails every pending and future collective of
 // every rank. A rank that fails a collective first waits until no rank is inside step 3, so no
@@ -109,6 +110,14 @@ inline std::string describe_ranks(std::vector<int> const& ranks) {
   return s;
 }
 
+/// now + timeout, saturated so that a huge timeout (milliseconds::max() for "forever") cannot
+/// overflow the clock into the past.
+inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  auto const now = std::chrono::steady_clock::now();
+  auto const room = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::time_point::max() - now);
+  return timeout >= room ? std::chrono::steady_clock::time_point::max() : now + timeout;
+}
+
 /// The shared state of one host process group of `size()` thread ranks.
 class host_group {
  public:
@@ -141,7 +150,7 @@ class host_group {
     bufs_[ur] = {a, b};
     cv_.notify_all();
     auto const arrived = [&] { return all_reached(posted_, seq); };
-    cv_.wait_until(lock, clock::now() + timeout,
+    cv_.wait_until(lock, deadline_after(timeout),
                    [&] { return failure_.has_value() || arrived() || first_closed_before(seq) >= 0; });
     if (!failure_) {
       if (!arrived()) {
@@ -152,7 +161,7 @@ class host_group {
           fail_timeout(r, seq, call, timeout, posted_, true);
         }
       } else {
-        check_match(seq);
+        check_match(seq);  // 2. check
       }
     }
     if (failure_) return give_up(lock, r, seq, call);
@@ -161,18 +170,18 @@ class host_group {
     busy_[ur] = 1;
     std::vector<std::array<tensor_ref, 2>> const bufs = bufs_;
     lock.unlock();
-    std::exception_ptr compute_error;
+    std::optional<std::string> compute_failure;  // nothing in compute() throws but bad_alloc
     try {
       compute(r, call, bufs);
     } catch (std::exception const& e) {
-      compute_error = std::make_exception_ptr(comm_error(r, e.what()));
+      compute_failure = e.what();
     } catch (...) {
-      compute_error = std::make_exception_ptr(comm_error(r, "unknown exception"));
+      compute_failure = "an exception not derived from std::exception";
     }
     lock.lock();
     busy_[ur] = 0;
-    if (compute_error) {
-      set_failure(r, false, "rank " + std::to_string(r) + " failed inside the collective: " + what_of(compute_error));
+    if (compute_failure) {
+      set_failure(r, false, "rank " + std::to_string(r) + " failed inside the collective: " + *compute_failure);
       return give_up(lock, r, seq, call);
     }
 
@@ -180,7 +189,7 @@ class host_group {
     departed_[ur] = seq;
     cv_.notify_all();
     auto const departed = [&] { return all_reached(departed_, seq); };
-    cv_.wait_until(lock, clock::now() + timeout, [&] { return failure_.has_value() || departed(); });
+    cv_.wait_until(lock, deadline_after(timeout), [&] { return failure_.has_value() || departed(); });
     if (departed()) return nullptr;  // complete on every rank, even if the group failed meanwhile
     if (!failure_) fail_timeout(r, seq, call, timeout, departed_, false);
     return give_up(lock, r, seq, call);
@@ -275,16 +284,6 @@ class host_group {
                       std::to_string(seq) + ") failed: " + failure_->reason;
     if (failure_->timeout) return std::make_exception_ptr(timeout_error(failure_->rank, msg));
     return std::make_exception_ptr(comm_error(failure_->rank, msg));
-  }
-
-  static std::string what_of(std::exception_ptr const& e) {
-    try {
-      std::rethrow_exception(e);
-    } catch (std::exception const& ex) {
-      return ex.what();
-    } catch (...) {
-      return "unknown exception";
-    }
   }
 
   /// Step 3 for rank r: its share of the collective, over every rank's buffers in place.
