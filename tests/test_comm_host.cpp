@@ -252,6 +252,13 @@ void check_collective(std::vector<dp::process_group>& groups, kind k, std::size_
 
 /// Number of threads of this process (Linux: /proc/self/status).
 int thread_count() {
+  // A sanitizer runtime may start a helper thread of its own when the process creates its first
+  // thread; create (and join) one before counting, so that thread is in every count.
+  static bool const warmed_up = [] {
+    std::thread([] {}).join();
+    return true;
+  }();
+  (void)warmed_up;
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line)) {
