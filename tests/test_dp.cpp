@@ -1,5 +1,6 @@
 // DataParallel on the host backend: the contracts of DESIGN.md section 4 as equalities.
 #include "dp_contracts.hpp"
+#include "threads.hpp"
 
 #include <dparallel/dparallel.hpp>
 
@@ -103,30 +104,9 @@ TEST_CASE("gathered outputs: void, vectors and arithmetic values", "[host][dp]")
   CHECK(std::vector<int>(bufs.begin(), bufs.end()) == ids);
 }
 
-namespace {
-int thread_count() {
-  // A sanitizer runtime may start a helper thread of its own when the process creates its first
-  // thread; create (and join) one before counting, so that thread is in every count.
-  static bool const warmed_up = [] {
-    std::thread([] {}).join();
-    return true;
-  }();
-  (void)warmed_up;
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  while (status >> key) {
-    if (key == "Threads:") {
-      int n = 0;
-      status >> n;
-      return n;
-    }
-  }
-  return -1;
-}
-}  // namespace
 
 TEST_CASE("an exception in the step function names the device; the wrapper stays usable", "[host][dp][error]") {
-  int const threads_before = thread_count();
+  int const threads_before = test::thread_count();
   {
     test::linreg<double> m;
     auto const ref = test::reference_step(m, test::dataset<double>::make(8, 4, 3, false).all());
@@ -148,7 +128,7 @@ TEST_CASE("an exception in the step function names the device; the wrapper stays
       CHECK(test::rel_error(test::flat(m, true), test::flat(const_cast<test::linreg<double>&>(ref), true)) <= 1e-12);
     }
   }
-  if (threads_before > 0) CHECK(thread_count() == threads_before);  // every worker joined
+  if (threads_before > 0) CHECK(test::thread_count_settled(threads_before) == threads_before);  // every worker joined
 }
 
 namespace {
