@@ -9,11 +9,18 @@
 // dparallel's reductions (see mlp::forward_backward), so with global batch 128 on 2 or 4 devices
 // every full batch gives bitwise the one-device gradient, and the runs differ only through the
 // epoch's last, partial batch (result::early, taken after 20 steps, is bitwise equal).
+//
+// --mode ddp --comm mpi runs the ranks as MPI processes instead of threads (built when MPI was
+// found): `mpirun -np 2 train_mlp --mode ddp --comm mpi ...`. Rank 0 alone prints; the MPI
+// communicator reduces in rank order, so the result is bitwise that of --comm thread.
 
 #include "fashion_mnist.hpp"
 #include "mlp.hpp"
 
 #include <dparallel/dparallel.hpp>
+#if DPARALLEL_EXAMPLE_MPI
+#include <dparallel/comm/mpi.hpp>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -25,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -40,6 +48,7 @@ namespace {
 
 struct config {
   std::string mode = "single";
+  std::string comm = "thread";  // ddp: thread ranks (spawn) or MPI processes
   int devices = 0;  // 0 = the mode's default
   int epochs = 5;
   std::size_t global_batch = 128;
@@ -267,10 +276,14 @@ result run_dp(config const& cfg, training_data const& data) {
   return r;
 }
 
+result run_ddp_mpi(config const& cfg, training_data const& data);
+
 /// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
 /// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
 /// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
+/// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
 result run_ddp(config const& cfg, training_data const& data) {
+  if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data);
   result out;
   dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
     mlp model(cfg.seed);
@@ -290,6 +303,28 @@ result run_ddp(config const& cfg, training_data const& data) {
   return out;
 }
 
+/// The MPI process group of --comm mpi (set by main), and this process's rank in it (-1: none).
+dparallel::process_group const* mpi_group = nullptr;
+int mpi_rank = -1;
+
+/// DDP with one rank per MPI process: the same training as run_ddp, over the MPI group; each
+/// process reads its own part of every global batch. Returns rank 0's result on rank 0.
+result run_ddp_mpi(config const& cfg, training_data const& data) {
+  dparallel::process_group const& group = *mpi_group;
+  mlp model(cfg.seed);
+  dparallel::distributed_data_parallel<mlp> ddp(model, group);
+  result r = train(cfg, data, ddp.module(), group.rank(), [&](batch const& b) {
+    float const loss =
+        ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+    std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
+                               static_cast<double>(b.images.rows())};
+    group.all_reduce(dparallel::view(sums)).wait();
+    return sums[0] / sums[1];
+  });
+  r.devices = group.size();
+  return r;
+}
+
 struct mode {
   std::string_view name;
   result (*run)(config const&, training_data const&);
@@ -298,7 +333,7 @@ struct mode {
 constexpr std::array modes{
     mode{"single", &run_single, "one device runs every batch"},
     mode{"dp", &run_dp, "DataParallel over --devices host logical devices"},
-    mode{"ddp", &run_ddp, "DistributedDataParallel over --devices thread ranks"},
+    mode{"ddp", &run_ddp, "DistributedDataParallel over --devices thread ranks, or MPI processes (--comm mpi)"},
 };
 
 mode const* find_mode(std::string_view name) {
@@ -324,7 +359,9 @@ void print_usage(std::FILE* out) {
                  static_cast<int>(m.help.size()), m.help.data());
   std::fprintf(out,
                "  --devices N    dp: host logical devices, ddp: thread ranks, one core each (default: the\n"
-               "                 hardware threads, %u here); single: 1\n"
+               "                 hardware threads, %u here); single: 1; ddp --comm mpi: the MPI processes\n"
+               "  --comm C       ddp only: thread (ranks are threads, default) or mpi (ranks are MPI processes:\n"
+               "                 mpirun -np N train_mlp --mode ddp --comm mpi; %s)\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        SGD learning rate (default: 0.1)\n"
@@ -334,7 +371,13 @@ void print_usage(std::FILE* out) {
                "  --data DIR     folder of the gzip'ed IDX files (default: %s)\n"
                "  --json         end with one line holding a JSON object of the results\n"
                "  --help         this text\n",
-               std::max(1u, std::thread::hardware_concurrency()), fashion_mnist::default_dir);
+               std::max(1u, std::thread::hardware_concurrency()),
+#if DPARALLEL_EXAMPLE_MPI
+               "available in this build",
+#else
+               "not available: this build found no MPI",
+#endif
+               fashion_mnist::default_dir);
 }
 
 template <class Int>
@@ -405,6 +448,15 @@ config parse_command_line(int argc, char** argv) {
       cfg.seed = parse_int<std::uint64_t>(arg, next(), 0, UINT64_MAX);
     } else if (arg == "--sampler-replicas") {
       cfg.sampler_replicas = parse_int<int>(arg, next(), 1, 1024);
+    } else if (arg == "--comm") {
+      cfg.comm = std::string(next());
+      if (cfg.comm != "thread" && cfg.comm != "mpi")
+        throw usage_error("--comm: expected thread or mpi, found '" + cfg.comm + "'");
+#if !DPARALLEL_EXAMPLE_MPI
+      if (cfg.comm == "mpi")
+        throw usage_error("--comm mpi: this build of train_mlp has no MPI (CMake found none; Debian: apt-get install "
+                          "libopenmpi-dev openmpi-bin, then reconfigure)");
+#endif
     } else if (arg == "--data") {
       cfg.data = std::string(next());
       if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
@@ -412,6 +464,9 @@ config parse_command_line(int argc, char** argv) {
       throw usage_error("unknown option '" + std::string(argv[i]) + "'");
     }
   }
+  if (cfg.comm == "mpi" && cfg.mode != "ddp")
+    throw usage_error("--comm mpi: only --mode ddp runs over MPI processes, found --mode " + cfg.mode);
+  if (cfg.comm == "mpi") return cfg;  // the world size, hence devices and sampler replicas, come from MPI: see main
   if (cfg.mode == "single") {
     if (devices_given && cfg.devices != 1)
       throw usage_error("--devices " + std::to_string(cfg.devices) +
@@ -434,6 +489,24 @@ config parse_command_line(int argc, char** argv) {
   return cfg;
 }
 
+#if DPARALLEL_EXAMPLE_MPI
+/// --comm mpi: the ranks are the MPI processes. Checks --devices and --sampler-replicas against
+/// the world size and the batch's divisibility, as parse_command_line does for thread ranks.
+void apply_world(config& cfg, int world) {
+  if (cfg.devices != 0 && cfg.devices != world)
+    throw usage_error("--devices " + std::to_string(cfg.devices) + ": under --comm mpi the ranks are the " +
+                      std::to_string(world) + " MPI processes (mpirun -np); leave --devices out");
+  if (cfg.sampler_replicas != 0 && cfg.sampler_replicas != world)
+    throw usage_error("--sampler-replicas " + std::to_string(cfg.sampler_replicas) +
+                      ": --mode ddp reads the data as its " + std::to_string(world) + " ranks do");
+  cfg.devices = world;
+  cfg.sampler_replicas = world;
+  if (cfg.global_batch % static_cast<std::size_t>(world) != 0)
+    throw usage_error("--batch " + std::to_string(cfg.global_batch) + ": expected a multiple of the " +
+                      std::to_string(world) + " sampler replicas (ranks), which share it equally");
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------
 // Output
 
@@ -453,7 +526,9 @@ std::string exact(double v) {
 }
 
 std::string to_json(config const& cfg, result const& r, training_data const& data) {
-  return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"host\",\"devices\":" + std::to_string(r.devices) +
+  return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"host\"" +
+         (cfg.mode == "ddp" ? ",\"comm\":\"" + cfg.comm + "\"" : std::string()) +
+         ",\"devices\":" + std::to_string(r.devices) +
          ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
          ",\"lr\":" + number(cfg.lr) + ",\"seed\":" + std::to_string(cfg.seed) +
          ",\"sampler_replicas\":" + std::to_string(cfg.sampler_replicas) +
@@ -483,24 +558,56 @@ int main(int argc, char** argv) {
   // One device is one core: OpenBLAS must not start threads of its own under dparallel's.
   openblas_set_num_threads(1);
 
+#if DPARALLEL_EXAMPLE_MPI
+  // --comm mpi: this process is one rank of the MPI job; the world size is the number of ranks.
+  std::optional<dparallel::distributed_group> world;
+  if (cfg.comm == "mpi") {
+    try {
+      world = dparallel::mpi::init_process_group();
+      mpi_group = &*world;
+      mpi_rank = world->rank();
+      apply_world(cfg, world->size());
+    } catch (usage_error const& e) {
+      if (mpi_rank <= 0) std::fprintf(stderr, "train_mlp: %s\nRun train_mlp --help for the options.\n", e.what());
+      return 2;
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
+      return 1;
+    }
+  }
+#endif
+  bool const prints = mpi_rank <= 0;  // under MPI, rank 0 alone reports
+  std::string const who = mpi_rank < 0 ? std::string() : "rank " + std::to_string(mpi_rank) + ": ";
+
   try {
     training_data const data{fashion_mnist::load(cfg.data, "train"), fashion_mnist::load(cfg.data, "t10k")};
-    std::printf("train_mlp: mode %s on %d host device%s, %zu training / %zu test images from %s\n", cfg.mode.c_str(),
-                cfg.devices, cfg.devices == 1 ? "" : "s", data.train.size(), data.test.size(), cfg.data.c_str());
-    std::printf("train_mlp: %d epoch%s, global batch %zu, lr %s, seed %llu\n", cfg.epochs, cfg.epochs == 1 ? "" : "s",
-                cfg.global_batch, number(cfg.lr).c_str(), static_cast<unsigned long long>(cfg.seed));
-    std::fflush(stdout);
+    if (prints) {
+      if (mpi_rank < 0)
+        std::printf("train_mlp: mode %s on %d host device%s, %zu training / %zu test images from %s\n",
+                    cfg.mode.c_str(), cfg.devices, cfg.devices == 1 ? "" : "s", data.train.size(), data.test.size(),
+                    cfg.data.c_str());
+      else
+        std::printf("train_mlp: mode %s over %d MPI processes, %zu training / %zu test images from %s\n",
+                    cfg.mode.c_str(), cfg.devices, data.train.size(), data.test.size(), cfg.data.c_str());
+      std::printf("train_mlp: %d epoch%s, global batch %zu, lr %s, seed %llu\n", cfg.epochs,
+                  cfg.epochs == 1 ? "" : "s", cfg.global_batch, number(cfg.lr).c_str(),
+                  static_cast<unsigned long long>(cfg.seed));
+      std::fflush(stdout);
+    }
 
     result const r = find_mode(cfg.mode)->run(cfg, data);
 
-    std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",
-                r.test_accuracy, r.train_loss, r.samples_per_s, exact(r.params.sum).c_str(),
-                exact(r.params.l2).c_str());
-    if (cfg.json) std::printf("%s\n", to_json(cfg, r, data).c_str());
-    std::fflush(stdout);
+    if (prints) {
+      std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",
+                  r.test_accuracy, r.train_loss, r.samples_per_s, exact(r.params.sum).c_str(),
+                  exact(r.params.l2).c_str());
+      if (cfg.json) std::printf("%s\n", to_json(cfg, r, data).c_str());
+      std::fflush(stdout);
+    }
   } catch (std::exception const& e) {
     std::fflush(stdout);
-    std::fprintf(stderr, "train_mlp: error: %s\n", e.what());  // a device_error's text names the device
+    // A device_error's text names the device, a comm_error's the rank at fault.
+    std::fprintf(stderr, "train_mlp: %serror: %s\n", who.c_str(), e.what());
     return 1;
   }
   return 0;

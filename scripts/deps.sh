@@ -5,6 +5,7 @@ dparallel_packages=(
   cmake g++ make pkg-config
   catch2                 # the test framework (Catch2 2.x)
   libopenblas-dev        # the example model's GEMM
+  libopenmpi-dev openmpi-bin  # MPI process groups (dparallel::mpi, its tests, train_mlp --comm mpi)
   zlib1g-dev             # reading the gzip'ed IDX files
   dataset-fashion-mnist  # the reference data set
 )
@@ -23,4 +24,14 @@ dparallel_ensure_packages() {
   echo "Installing missing packages: ${missing[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# scripts/bench plots its tables with gnuplot: its packages, on top of the build's.
+dparallel_bench_packages=(
+  gnuplot-nox            # the PNG plots of ./scripts/bench
+)
+
+dparallel_ensure_bench_packages() {
+  dparallel_packages+=("${dparallel_bench_packages[@]}")
+  dparallel_ensure_packages
 }

@@ -6,8 +6,10 @@
 // collectives in the order they were issued; a call returns a work at once. For an all_reduce of
 // L elements over n ranks, rank r reduces elements [r*L/n, (r+1)*L/n) of every rank's buffer, in
 // rank order 0..n-1, and writes the result into that slice of every rank's buffer; the ranks then
-// meet before their works complete. Results are therefore the same bits on every rank and from
-// run to run. reduce, broadcast, reduce_scatter and all_gather work the same way; reductions take
+// meet before their works complete. Messages of at most 64 KiB per rank take a one-meeting path
+// (the rank that arrives last computes every slice, element by element the same sums), which
+// keeps the latency of small collectives low. Results are therefore the same bits on every rank,
+// on either path and from run to run. reduce, broadcast, reduce_scatter and all_gather work the same way; reductions take
 // F32 and F64, broadcast and all_gather any dtype.
 //
 // Failures reach every rank: a rank that has not arrived within the timeout (timeout_error naming
@@ -264,12 +266,14 @@ class communicator {
       } catch (...) {
         failure = std::current_exception();  // only an allocation failure can get here
       }
-      completed_.fetch_add(1, std::memory_order_release);
-      t.done.complete(std::move(failure));
+      // Not pending any more before anyone can see the work complete: a rank that waits for its
+      // last work and then destroys its communicator must not find it still pending.
       {
         std::lock_guard lock(m_);
         if (--pending_ == 0) idle_.notify_all();
       }
+      completed_.fetch_add(1, std::memory_order_release);
+      t.done.complete(std::move(failure));
     }
   }
 

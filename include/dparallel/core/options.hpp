@@ -36,6 +36,15 @@ struct options {
   bool find_unused_parameters = false;
   /// The device of this rank's replica; default: device index = rank on the host backend.
   std::optional<device> local_device;
+  /// PyTorch's gradient_as_bucket_view: no bucket storage and no second copy of the gradients.
+  /// The buckets are views of the model's own gradient memory and are all-reduced in place, so
+  /// the model should keep its gradients in one flat buffer (say, in parameter order): gradients
+  /// adjacent in memory share a bucket, walking the memory from its end to its start (reverse
+  /// parameter order for such a buffer), split at the bucket caps, at gaps and where the dtype
+  /// changes; the plan is not rebuilt from the ready order. Every rank must lay its gradients out
+  /// the same way: the wrapper checks that every rank made the same buckets and raises an error
+  /// on every rank otherwise. Results are bitwise those of the default (copying) mode.
+  bool gradient_as_bucket_view = false;
 };
 
 DPARALLEL_NAMESPACE_END

@@ -9,6 +9,7 @@
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/policy/replicate.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -32,16 +33,37 @@ namespace policy {
 ///   their local gradients).
 /// - Under no_sync, gradients are accumulated locally (weighted by each step's batch size); the
 ///   next synchronised step reduces the weighted mean of everything accumulated.
+/// - With options::gradient_as_bucket_view the buckets are views of the gradients' own memory:
+///   nothing is allocated or copied for them, each bucket is all-reduced in place (see
+///   plan_views). Every rank's plan is checked against rank 0's at construction (a signature
+///   all-gathered), so ranks that would issue different collectives fail there, every one of
+///   them, with an error that says why.
 template <bool ToRoot>
 class bucketed_reduce {
  public:
   /// The current bucket plan, in launch order.
   [[nodiscard]] std::vector<bucket_spec> const& buckets() const noexcept { return buckets_; }
+  /// Whether the buckets are views of the gradients (options::gradient_as_bucket_view).
+  [[nodiscard]] bool bucket_view() const noexcept { return view_; }
+  /// Bytes of bucket storage this reducer holds (0 with gradient_as_bucket_view); the storage
+  /// for no_sync accumulation, made the first time it is needed, is not counted.
+  [[nodiscard]] std::size_t bucket_bytes() const noexcept {
+    if (view_) return 0;
+    std::size_t n = 0;
+    for (auto const& b : buckets_) n += b.elements * size_of(b.dtype);
+    return n;
+  }
 
   template <class Set>
   void on_construct(Set& s) {
     detail::require(s.group.valid(), "bucketed reduce: expected a process group (use the DDP constructor)");
-    plan(s, reverse_order(s.params[0].size()));
+    view_ = s.opts.gradient_as_bucket_view;
+    if (view_) {
+      plan_views(s);
+    } else {
+      plan(s, reverse_order(s.params[0].size()));
+    }
+    verify_plan(s);
   }
 
   template <class Set>
@@ -50,6 +72,7 @@ class bucketed_reduce {
     detail::require(n == counts_.size(), "DDP: the model has " + std::to_string(n) +
                                              " parameters now, expected the " + std::to_string(counts_.size()) +
                                              " it had when the wrapper was built");
+    if (view_) check_views(s);
     ready_.assign(n, false);
     seen_order_.clear();
     used_hook_ = false;
@@ -86,21 +109,168 @@ class bucketed_reduce {
       counts_.push_back(p.size());
       dtypes.push_back(p.dtype());
     }
-    auto const mib = [](double m) { return static_cast<std::size_t>(std::llround(m * 1024.0 * 1024.0)); };
     detail::require(s.opts.bucket_cap_mb > 0 && s.opts.first_bucket_cap_mb > 0,
                     "DDP: expected bucket_cap_mb and first_bucket_cap_mb > 0, found " +
                         std::to_string(s.opts.bucket_cap_mb) + " and " + std::to_string(s.opts.first_bucket_cap_mb));
     buckets_ = plan_buckets(counts_, dtypes, order, mib(s.opts.first_bucket_cap_mb), mib(s.opts.bucket_cap_mb));
-    bucket_of_.assign(params.size(), 0);
-    slot_of_.assign(params.size(), 0);
+    index_buckets();
     storage_.clear();
     accum_.clear();
+    for (auto const& b : buckets_) storage_.push_back(backend::allocate(s.devices[0], b.elements * size_of(b.dtype)));
+  }
+
+  static std::size_t mib(double m) { return static_cast<std::size_t>(std::llround(m * 1024.0 * 1024.0)); }
+
+  // gradient_as_bucket_view: the gradients that are adjacent in memory, walked from the highest
+  // address down (reverse parameter order for one flat buffer in parameter order: the order
+  // backward finishes them), form the buckets; a bucket closes at the cap (the first of each
+  // dtype at first_bucket_cap_mb), at a gap and where the dtype changes. A bucket is then one
+  // range of memory, [its lowest gradient, + elements). Empty gradients join the last bucket.
+  template <class Set>
+  void plan_views(Set& s) {
+    auto const& grads = s.grads[0];
+    std::size_t const n = grads.size();
+    detail::require(s.opts.bucket_cap_mb > 0 && s.opts.first_bucket_cap_mb > 0,
+                    "DDP: expected bucket_cap_mb and first_bucket_cap_mb > 0, found " +
+                        std::to_string(s.opts.bucket_cap_mb) + " and " + std::to_string(s.opts.first_bucket_cap_mb));
+    counts_.assign(n, 0);
+    std::vector<std::size_t> order, empty;
+    for (std::size_t i = 0; i < n; ++i) {
+      counts_[i] = grads[i].size();
+      (grads[i].size() == 0 ? empty : order).push_back(i);
+    }
+    auto const addr = [&](std::size_t i) { return reinterpret_cast<std::uintptr_t>(grads[i].data()); };
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return addr(a) > addr(b); });
+    buckets_.clear();
+    base_slot_.clear();
+    std::vector<dtype> closed_first;  // dtypes whose first bucket is closed
+    bucket_spec cur;
+    std::uintptr_t low = 0;  // start of the gradient walked last: the lowest of cur, if any
+    bool walked = false;
+    plan_error_.clear();
+    auto const close = [&] {
+      if (cur.params.empty()) return;
+      for (std::size_t k = 0; k < cur.params.size(); ++k)
+        cur.offsets.push_back((addr(cur.params[k]) - low) / size_of(cur.dtype));
+      if (std::find(closed_first.begin(), closed_first.end(), cur.dtype) == closed_first.end())
+        closed_first.push_back(cur.dtype);
+      base_slot_.push_back(cur.params.size() - 1);
+      buckets_.push_back(std::move(cur));
+      cur = bucket_spec{};
+    };
+    std::size_t last = 0;
+    for (std::size_t i : order) {
+      std::uintptr_t const end = addr(i) + grads[i].size_bytes();
+      if (walked && end > low && plan_error_.empty()) {  // reported on every rank by verify_plan
+        plan_error_ = "DDP with gradient_as_bucket_view on rank " + std::to_string(s.rank()) + ": gradients " +
+                      std::to_string(i) + " and " + std::to_string(last) +
+                      " overlap in memory; expected every gradient to have its own storage";
+      }
+      if (!cur.params.empty() && (end != low || grads[i].dtype() != cur.dtype)) close();
+      walked = true;
+      last = i;
+      if (cur.params.empty()) cur.dtype = grads[i].dtype();
+      cur.params.push_back(i);
+      cur.elements += grads[i].size();
+      low = addr(i);
+      bool const first = std::find(closed_first.begin(), closed_first.end(), cur.dtype) == closed_first.end();
+      if (cur.elements * size_of(cur.dtype) >= mib(first ? s.opts.first_bucket_cap_mb : s.opts.bucket_cap_mb))
+        close();
+    }
+    close();
+    for (std::size_t i : empty) {  // no memory: any bucket will do; the last, or one of their own
+      if (buckets_.empty()) {
+        buckets_.push_back(bucket_spec{grads[i].dtype(), {}, {}, 0});
+        base_slot_.push_back(0);
+      }
+      buckets_.back().params.push_back(i);
+      buckets_.back().offsets.push_back(0);
+    }
+    index_buckets();
+    storage_.clear();
+    accum_.clear();
+  }
+
+  // The bucket's memory: a view of the gradients, from its lowest one.
+  template <class Set>
+  tensor_ref bucket_ref(Set& s, std::size_t b) const {
+    auto const& spec = buckets_[b];
+    if (!view_) return tensor_ref(storage_[b].get(), spec.elements, spec.dtype);
+    if (spec.elements == 0) return tensor_ref(nullptr, 0, spec.dtype);
+    tensor_ref const lowest = s.grads[0][spec.params[base_slot_[b]]];
+    return tensor_ref(lowest.data(), spec.elements, spec.dtype, lowest.device());
+  }
+
+  // gradient_as_bucket_view: every step, the gradients must still lie where the plan (agreed by
+  // every rank) says, relative to each other; the model may not have moved them.
+  template <class Set>
+  void check_views(Set& s) const {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto const& spec = buckets_[b];
+      if (spec.elements == 0) continue;
+      auto const* base = static_cast<std::byte const*>(bucket_ref(s, b).data());
+      for (std::size_t k = 0; k < spec.params.size(); ++k) {
+        tensor_ref const g = s.grads[0][spec.params[k]];
+        if (g.size() == 0 || g.data() == base + spec.offsets[k] * size_of(spec.dtype)) continue;
+        throw invalid_argument("dparallel: DDP with gradient_as_bucket_view on rank " + std::to_string(s.rank()) +
+                               ": gradient " + std::to_string(spec.params[k]) +
+                               " is no longer where it was, relative to gradient " +
+                               std::to_string(spec.params[base_slot_[b]]) +
+                               ", when the buckets were planned; expected the gradients to keep their storage "
+                               "(the buckets are views of it): do not reallocate them, or leave "
+                               "gradient_as_bucket_view off");
+      }
+    }
+  }
+
+  // Every rank must have made the same plan (the same collectives follow from it): compare a
+  // signature with rank 0's. The same error is raised on every rank.
+  template <class Set>
+  void verify_plan(Set& s) const {
+    std::uint64_t h = 1469598103934665603ull;
+    auto const mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    for (auto const& b : buckets_) {
+      mix(static_cast<std::uint64_t>(b.dtype));
+      mix(b.elements);
+      for (std::size_t k = 0; k < b.params.size(); ++k) {
+        mix(b.params[k]);
+        mix(b.offsets[k]);
+      }
+    }
+    std::vector<std::int64_t> mine{view_ ? 1 : 0, static_cast<std::int64_t>(buckets_.size()),
+                                   static_cast<std::int64_t>(h), plan_error_.empty() ? 0 : 1};
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(s.world_size()));
+    s.group.all_gather(view(all), view(mine)).wait();
+    auto const at = [&](int rank, std::size_t k) { return all[static_cast<std::size_t>(rank) * mine.size() + k]; };
+    detail::require(plan_error_.empty(), plan_error_);
+    for (int r = 0; r < s.world_size(); ++r)
+      detail::require(at(r, 3) == 0, "DDP: rank " + std::to_string(r) + " could not plan its gradient buckets (its "
+                                     "own error says why); expected every rank to plan the same buckets");
+    for (int r = 1; r < s.world_size(); ++r) {
+      auto const flag = [](std::int64_t v) { return v != 0 ? std::string("true") : std::string("false"); };
+      detail::require(at(r, 0) == at(0, 0), "DDP: rank " + std::to_string(r) + " has gradient_as_bucket_view = " +
+                                                flag(at(r, 0)) + ", rank 0 has " + flag(at(0, 0)) +
+                                                "; expected every rank to pass the same options");
+      detail::require(at(r, 1) == at(0, 1) && at(r, 2) == at(0, 2),
+                      "DDP: rank " + std::to_string(r) + " planned " + std::to_string(at(r, 1)) +
+                          " gradient buckets, rank 0 planned " + std::to_string(at(0, 1)) +
+                          (at(r, 1) == at(0, 1) ? " too, but with different contents" : "") +
+                          "; expected the same buckets on every rank" +
+                          (view_ ? ": with gradient_as_bucket_view the buckets follow each rank's gradient memory, "
+                                   "so every rank must lay out its gradients the same way (e.g. one flat buffer "
+                                   "in parameter order)"
+                                 : ""));
+    }
+  }
+
+  void index_buckets() {
+    bucket_of_.assign(counts_.size(), 0);
+    slot_of_.assign(counts_.size(), 0);
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       for (std::size_t k = 0; k < buckets_[b].params.size(); ++k) {
         bucket_of_[buckets_[b].params[k]] = b;
         slot_of_[buckets_[b].params[k]] = k;
       }
-      storage_.push_back(backend::allocate(s.devices[0], buckets_[b].elements * size_of(buckets_[b].dtype)));
     }
     pending_.assign(buckets_.size(), 0);
     works_.assign(buckets_.size(), work{});
@@ -122,10 +292,20 @@ class bucketed_reduce {
     tensor_ref const grad = s.grads[0][i];
     double const n = static_cast<double>(s.batch);
     if (!s.sync) {
-      if (accum_.size() != storage_.size()) allocate_accum(s);
+      if (accum_.size() != buckets_.size()) allocate_accum(s);
       tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i]);
       if (first_accumulation_) ops::zero(acc);
       if (!unused) ops::add_scaled(acc, grad, n);
+    } else if (view_) {  // the gradient is its own slot of the bucket: work in place
+      if (accumulated_ == 0) {
+        if (unused) ops::zero(grad);
+      } else {  // the same operations, in the same order, as below: the same bits
+        tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i]);
+        if (!unused) ops::add_scaled(acc, grad, n);
+        ops::copy(grad, acc);
+        ops::scale(grad, 1.0 / (static_cast<double>(accumulated_) + n));
+      }
+      if (--pending_[b] == 0) launch_ready(s);
     } else {
       tensor_ref const dst = view_in(storage_[b], spec, slot_of_[i], counts_[i]);
       if (accumulated_ == 0) {
@@ -151,8 +331,7 @@ class bucketed_reduce {
   template <class Set>
   void launch_ready(Set& s) {
     while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
-      auto const& spec = buckets_[next_bucket_];
-      tensor_ref const whole(storage_[next_bucket_].get(), spec.elements, spec.dtype);
+      tensor_ref const whole = bucket_ref(s, next_bucket_);
       works_[next_bucket_] = ToRoot ? s.group.reduce(whole, 0, reduce_op::avg) : s.group.all_reduce(whole, reduce_op::avg);
       ++next_bucket_;
     }
@@ -187,13 +366,13 @@ class bucketed_reduce {
     }
     accumulated_ = 0;
     for (auto const& w : works_) w.wait();
-    if (!ToRoot || s.group.rank() == 0) {
+    if (!view_ && (!ToRoot || s.group.rank() == 0)) {
       for (std::size_t i = 0; i < n; ++i) {
         auto const& spec = buckets_[bucket_of_[i]];
         ops::copy(s.grads[0][i], view_in(storage_[bucket_of_[i]], spec, slot_of_[i], counts_[i]));
       }
     }
-    if (!rebuilt_) {
+    if (!rebuilt_ && !view_) {  // view buckets follow the memory, not the ready order
       rebuilt_ = true;
       // Rank 0's observed order decides for everyone (ranks may observe different orders).
       std::vector<std::int64_t> order(seen_order_.begin(), seen_order_.end());
@@ -210,6 +389,7 @@ class bucketed_reduce {
 
   std::vector<bucket_spec> buckets_;
   std::vector<std::size_t> counts_, bucket_of_, slot_of_, pending_, seen_order_;
+  std::vector<std::size_t> base_slot_;  // view mode: the slot of each bucket's lowest gradient
   std::vector<bool> ready_;
   std::vector<std::shared_ptr<std::byte>> storage_, accum_;  // from Backend::allocate
   std::vector<work> works_;
@@ -218,6 +398,8 @@ class bucketed_reduce {
   bool first_accumulation_ = true;
   bool used_hook_ = false;
   bool rebuilt_ = false;
+  bool view_ = false;
+  std::string plan_error_;  // view mode: why this rank's gradients cannot be bucketed (raised after the check)
 };
 
 using bucketed_all_reduce = bucketed_reduce<false>;

@@ -24,9 +24,13 @@ concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_
 namespace policy {
 
 /// DataParallel: the master's gradient becomes sum_i w_i * g_i over the replicas that received a
-/// shard, w_i being the shard's share of the batch; summed pairwise in device order on the
-/// master's stream (host::weighted_sum), so results are deterministic and equal the one-device
-/// gradient of the mean loss.
+/// shard, w_i being the shard's share of the batch, summed pairwise in device order
+/// (host::weighted_sum), so results are deterministic and equal the one-device gradient of the
+/// mean loss. The work is split by elements: each of the m replicas that ran reduces the k-th
+/// of m slices of every gradient on its own stream, once every replica's step function is done,
+/// so the reduction runs on all those devices at once (the sum of each element is the same
+/// expression whichever device computes it: the same bits as one device doing it all). The
+/// master's stream then waits for every slice.
 struct reduce_to_master {
   template <class Set>
   void on_construct(Set&) {}
@@ -44,12 +48,22 @@ struct reduce_to_master {
       if (!s.active(i)) continue;
       active.push_back(i);
       w.push_back(s.weight(i));
-      if (i != 0) s.streams[0]->wait(s.compute_done[i]);
     }
-    for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
-      std::vector<tensor_ref> src;
-      for (std::size_t i : active) src.push_back(s.grads[i][p]);
-      backend::weighted_sum(*s.streams[0], s.grads[0][p], std::move(src), w);
+    std::size_t const m = active.size();
+    for (std::size_t k = 0; k < m; ++k) {
+      auto& stream = *s.streams[active[k]];
+      for (std::size_t j : active)
+        if (j != active[k]) stream.wait(s.compute_done[j]);
+      for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
+        std::size_t const n = s.grads[0][p].size();
+        std::size_t const lo = n * k / m, hi = n * (k + 1) / m;
+        if (lo == hi) continue;
+        std::vector<tensor_ref> src;
+        src.reserve(m);
+        for (std::size_t i : active) src.push_back(s.grads[i][p].subview(lo, hi - lo));
+        backend::weighted_sum(stream, s.grads[0][p].subview(lo, hi - lo), std::move(src), w);
+      }
+      if (active[k] != 0) s.streams[0]->wait(stream.record());
     }
   }
 };

@@ -1,0 +1,301 @@
+// scaling: training throughput of the reference workload (the 784-512-ReLU-10 MLP of
+// examples/mlp.hpp on Fashion-MNIST, plain SGD) on one device, with DataParallel over N host
+// devices and with DDP over N thread ranks, and the scaling efficiency
+//     N-device throughput / (N x one-device throughput).
+// One compute thread per device or rank (one device is one core): OpenBLAS runs on one thread
+// everywhere, the single mode included.
+//
+// Each measurement builds the wrapper, runs --warmup steps, then times --steps steps (forward,
+// backward, the reduction and the SGD update; the batches are views of the data set, so no
+// loader is timed). The modes take turns, --reps rounds, and the best round of each is reported
+// (the median beside it): on a shared machine the best round is the one least disturbed.
+//
+// Beside the throughput, the process's CPU time over the timed steps gives two diagnostics that
+// other programs on the machine cannot distort much: cores = CPU time / wall time (how many cores
+// the mode actually got: on a busy machine a 2-device mode may get fewer than 2, and then its
+// throughput says little), and cpu_efficiency = single's CPU time per sample / the mode's (the
+// work parallelism adds: copies, reductions, synchronisation; 1 = none).
+//
+// Built a second time as scaling_mpi (DPARALLEL_BENCH_MPI): under `mpirun -np N` it measures DDP
+// over the N MPI processes and writes one CSV that `scaling --mpi FILE` adds to its table.
+
+#include "bench_util.hpp"
+#include "fashion_mnist.hpp"
+#include "mlp.hpp"
+
+#include <dparallel/dparallel.hpp>
+#if DPARALLEL_BENCH_MPI
+#include <dparallel/comm/mpi.hpp>
+#endif
+
+#include <algorithm>
+#include <barrier>
+#include <cstddef>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dp = dparallel;
+
+namespace {
+
+char const* const usage =
+    "usage: scaling [--batches 128,512] [--devices 2] [--steps 200] [--warmup 20] [--reps 3]\n"
+    "               [--modes single,dp,ddp] [--data DIR] [--csv FILE] [--mpi FILE]\n"
+    "  --batches  global batch sizes (default 128,512)\n"
+    "  --devices  devices (dp) and thread ranks (ddp) (default 2)\n"
+    "  --steps    timed steps per measurement, after --warmup untimed ones (default 200, 20)\n"
+    "  --reps     rounds; the best is reported (default 3)\n"
+    "  --data     folder of the Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
+    "  --csv      write the table as CSV\n"
+    "  --mpi      CSV written by scaling_mpi (mpirun -np N scaling_mpi --csv FILE): adds DDP over MPI\n";
+
+/// The training set; batch j of size b is rows [(j mod (n / b)) * b, ... + b): the data set in
+/// file order, wrapping around.
+struct workload {
+  fashion_mnist::dataset train;
+
+  /// Rows [first, first + count) of global batch j (of size b).
+  [[nodiscard]] batch part(std::size_t j, std::size_t b, std::size_t first, std::size_t count) const {
+    std::size_t const start = (j % (train.size() / b)) * b + first;
+    return {dp::tensor_view<float const>(train.images.data() + start * mlp::inputs, count * mlp::inputs, count),
+            dp::tensor_view<std::int32_t const>(train.labels.data() + start, count, count)};
+  }
+};
+
+/// Plain SGD through the customisation points, as in examples/train_mlp.cpp.
+void sgd(mlp& m, float lr) {
+  auto params = dp::parameters(m);
+  auto grads = dp::gradients(m);
+  for (std::size_t k = 0; k < params.size(); ++k)
+    for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
+}
+
+struct config {
+  std::size_t steps = 200, warmup = 20;
+  float lr = 0.05f;
+  std::uint64_t seed = 1;
+};
+
+/// One timed run: samples per second, and CPU seconds (all threads of the process) per sample.
+struct measurement {
+  double samples_per_s = 0;
+  double cpu_per_sample = 0;
+};
+
+/// CPU time of the whole process (every thread), in seconds.
+double process_cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
+
+/// Times `steps` calls of step(j) after `warmup` untimed ones.
+template <class Step>
+measurement throughput(config const& c, std::size_t batch_size, Step&& step) {
+  for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+  double const cpu0 = process_cpu_seconds();
+  auto const t0 = bench::clock::now();
+  for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+  double const wall = bench::seconds_since(t0);
+  auto const samples = static_cast<double>(c.steps * batch_size);
+  return {samples / wall, (process_cpu_seconds() - cpu0) / samples};
+}
+
+#if !DPARALLEL_BENCH_MPI
+measurement run_single(workload const& w, config const& c, std::size_t b, int) {
+  mlp model(c.seed);
+  return throughput(c, b, [&](std::size_t j) {
+    model.forward_backward(w.part(j, b, 0, b));
+    sgd(model, c.lr);
+  });
+}
+
+measurement run_dp(workload const& w, config const& c, std::size_t b, int devices) {
+  mlp model(c.seed);
+  dp::data_parallel<mlp> wrapper(model, dp::host::devices(devices));
+  return throughput(c, b, [&](std::size_t j) {
+    wrapper.step(w.part(j, b, 0, b), [](mlp& m, batch shard) { return m.forward_backward(shard); });
+    sgd(wrapper.module(), c.lr);
+  });
+}
+
+/// DDP over `ranks` thread ranks: rank r trains on rows [r b/ranks, (r+1) b/ranks) of each global
+/// batch; rank 0's clock runs from a barrier after the warm-up to one after the last step.
+measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks) {
+  std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
+  std::barrier sync(ranks);
+  measurement result;
+  double cpu0 = 0;
+  dp::spawn(ranks, [&](dp::rank_context& rank) {
+    mlp model(c.seed);
+    dp::distributed_data_parallel<mlp> ddp(model, rank.group());
+    auto const first = static_cast<std::size_t>(rank.rank()) * per_rank;
+    auto step = [&](std::size_t j) {
+      ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
+      sgd(ddp.module(), c.lr);
+    };
+    for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+    sync.arrive_and_wait();
+    if (rank.rank() == 0) cpu0 = process_cpu_seconds();
+    auto const t0 = bench::clock::now();
+    for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+    sync.arrive_and_wait();
+    if (rank.rank() == 0) {
+      double const wall = bench::seconds_since(t0);
+      auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
+      result = {samples / wall, (process_cpu_seconds() - cpu0) / samples};
+    }
+  });
+  return result;
+}
+
+#endif
+
+std::vector<std::string> split(std::string const& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(item);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  openblas_set_num_threads(1);  // one core per device or rank, the single mode included
+  bench::args a(argc, argv, usage);
+  auto const batches = a.list("batches", {128, 512});
+  [[maybe_unused]] int const devices = static_cast<int>(a.num("devices", 2));
+  config c;
+  c.steps = static_cast<std::size_t>(a.num("steps", 200));
+  c.warmup = static_cast<std::size_t>(a.num("warmup", 20));
+  int const reps = static_cast<int>(a.num("reps", 3));
+  auto const modes = split(a.str("modes", "single,dp,ddp"));
+  std::string const dir = a.str("data", fashion_mnist::default_dir);
+  std::string const csv = a.str("csv", "");
+  std::string const mpi_csv = a.str("mpi", "");
+  a.done();
+
+  workload w{fashion_mnist::load(dir, "train")};
+
+#if DPARALLEL_BENCH_MPI
+  // DDP over the processes of MPI_COMM_WORLD; rank 0 writes ranks,batch,best,median.
+  {
+    auto const world = dp::mpi::init_process_group();  // initialises MPI; finalised at exit
+    dp::process_group const& group = world;
+    int const ranks = group.size();
+    bench::table t({"ranks", "batch", "samples_per_s_best", "samples_per_s_median", "cpu_per_sample"});
+    for (double bd : batches) {
+      auto const b = static_cast<std::size_t>(bd);
+      std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
+      std::vector<double> got, cpu;
+      for (int k = 0; k < reps; ++k) {
+        mlp model(c.seed);
+        dp::distributed_data_parallel<mlp> ddp(model, group);
+        auto const first = static_cast<std::size_t>(group.rank()) * per_rank;
+        auto step = [&](std::size_t j) {
+          ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
+          sgd(ddp.module(), c.lr);
+        };
+        for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+        group.barrier().wait();
+        double const cpu0 = process_cpu_seconds();
+        auto const t0 = bench::clock::now();
+        for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+        group.barrier().wait();
+        double const wall = bench::seconds_since(t0);
+        std::vector<double> used{process_cpu_seconds() - cpu0};  // summed over the processes
+        group.all_reduce(dp::view(used)).wait();
+        auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
+        got.push_back(samples / wall);
+        cpu.push_back(used[0] / samples);
+      }
+      auto const best = static_cast<std::size_t>(std::max_element(got.begin(), got.end()) - got.begin());
+      t.add({bench::fmt("%d", ranks), bench::fmt("%zu", b), bench::fmt("%.1f", got[best]),
+             bench::fmt("%.1f", bench::median(got)), bench::fmt("%.9g", cpu[best])});
+    }
+    if (group.rank() == 0) {
+      std::printf("# DDP over %d MPI processes, reference workload; %s\n", ranks, bench::load_note().c_str());
+      t.print();
+      t.write_csv(csv);
+    }
+  }
+  dp::mpi::finalize();
+  return 0;
+#else
+  // (batch, mode) -> each round's measurement.
+  std::map<std::pair<std::size_t, std::string>, std::vector<measurement>> got;
+  for (double bd : batches) {
+    auto const b = static_cast<std::size_t>(bd);
+    for (int k = 0; k < reps; ++k) {
+      for (auto const& m : modes) {
+        measurement v;
+        if (m == "single") v = run_single(w, c, b, 1);
+        else if (m == "dp") v = run_dp(w, c, b, devices);
+        else if (m == "ddp") v = run_ddp(w, c, b, devices);
+        else {
+          std::fprintf(stderr, "scaling: unknown mode '%s' (single, dp, ddp)\n", m.c_str());
+          return 2;
+        }
+        got[{b, m}].push_back(v);
+        std::fprintf(stderr, "  batch %zu, %s, round %d: %.0f samples/s\n", b, m.c_str(), k + 1, v.samples_per_s);
+      }
+    }
+  }
+  // batch -> DDP over MPI processes: ranks, best and median samples/s, CPU seconds per sample.
+  struct mpi_row {
+    int ranks = 0;
+    double best = 0, median = 0, cpu = 0;
+  };
+  std::map<std::size_t, mpi_row> mpi;
+  if (!mpi_csv.empty()) {
+    std::ifstream f(mpi_csv);
+    std::string line;
+    std::getline(f, line);
+    while (std::getline(f, line)) {
+      auto const cells = split(line);
+      if (cells.size() >= 5)
+        mpi[std::stoull(cells[1])] = {std::stoi(cells[0]), std::stod(cells[2]), std::stod(cells[3]), std::stod(cells[4])};
+    }
+    if (mpi.empty()) std::fprintf(stderr, "scaling: no DDP-over-MPI rows in %s\n", mpi_csv.c_str());
+  }
+
+  std::printf("# reference workload (784-512-ReLU-10 MLP, Fashion-MNIST, SGD), %zu timed steps after %zu; "
+              "best of %d rounds; %s\n",
+              c.steps, c.warmup, reps, bench::load_note().c_str());
+  bench::table t({"batch", "mode", "devices", "samples_per_s", "median_samples_per_s", "speedup", "efficiency", "cores",
+                  "cpu_efficiency"});
+  for (double bd : batches) {
+    auto const b = static_cast<std::size_t>(bd);
+    auto const best = [&](std::string const& m) {
+      auto const& v = got[{b, m}];
+      auto it = std::max_element(v.begin(), v.end(), [](measurement const& x, measurement const& y) {
+        return x.samples_per_s < y.samples_per_s;
+      });
+      return it == v.end() ? measurement{} : *it;
+    };
+    auto const med = [&](std::string const& m) {
+      std::vector<double> v;
+      for (auto const& x : got[{b, m}]) v.push_back(x.samples_per_s);
+      return bench::median(v);
+    };
+    measurement const single = best("single");
+    auto add = [&](std::string const& m, int n, measurement const& x, double median) {
+      bool const ref = single.samples_per_s > 0;
+      t.add({bench::fmt("%zu", b), m, bench::fmt("%d", n), bench::fmt("%.1f", x.samples_per_s), bench::fmt("%.1f", median),
+             ref ? bench::fmt("%.3f", x.samples_per_s / single.samples_per_s) : "",
+             ref ? bench::fmt("%.3f", x.samples_per_s / (n * single.samples_per_s)) : "",
+             bench::fmt("%.2f", x.cpu_per_sample * x.samples_per_s),
+             ref && x.cpu_per_sample > 0 ? bench::fmt("%.3f", single.cpu_per_sample / x.cpu_per_sample) : ""});
+    };
+    for (auto const& m : modes) add(m, m == "single" ? 1 : devices, best(m), med(m));
+    if (auto it = mpi.find(b); it != mpi.end())
+      add("ddp_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);
+  }
+  t.print();
+  t.write_csv(csv);
+  std::printf("# %s\n", bench::load_note().c_str());
+  return 0;
+#endif
+}

@@ -1,0 +1,101 @@
+// Failure scenarios of DDP over MPI, each run as a real MPI job by run_mpi_fault.cmake, which
+// checks the job's exit status, its output and its duration:
+//   mpi_fault kill <timeout_ms>     rank 1 kills itself (SIGKILL) in its 4th DDP step
+//   mpi_fault throw <timeout_ms>    rank 1's step function throws in its 4th DDP step
+//   mpi_fault missing <timeout_ms>  the last rank skips one all_reduce and then sleeps
+// Every surviving rank prints the error it caught, with the rank the error names:
+//   mpi_fault: rank R: caught comm_error naming rank F: <message>
+#include "../models.hpp"
+
+#include <dparallel/comm/mpi.hpp>
+#include <dparallel/dparallel.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dpl = dparallel;
+using model = test::chunked<float>;
+
+namespace {
+
+/// The comm_error inside `e` (DDP reports a collective's failure as a device_error with the
+/// comm_error nested), or null.
+dpl::comm_error const* find_comm_error(std::exception const& e) {
+  if (auto const* c = dynamic_cast<dpl::comm_error const*>(&e)) return c;
+  try {
+    std::rethrow_if_nested(e);
+  } catch (std::exception const& inner) {
+    return find_comm_error(inner);
+  } catch (...) {
+  }
+  return nullptr;
+}
+
+void ddp_training(dpl::process_group const& group, std::string const& scenario) {
+  int const rank = group.rank();
+  model m;
+  dpl::distributed_data_parallel<model> ddp(
+      m, group, {.bucket_cap_mb = 8.0 / (1024 * 1024), .first_bucket_cap_mb = 4.0 / (1024 * 1024)});
+  for (int step = 0; step < 400; ++step) {
+    auto const data = test::dataset<float>::make(4 * static_cast<std::size_t>(group.size()), m.dim,
+                                                 static_cast<std::uint64_t>(step), false);
+    auto const first = static_cast<std::size_t>(rank) * 4;
+    ddp.step(dpl::slice_batch(data.all(), first, first + 4),
+             [&](model& r, test::samples<float> s, dpl::step_context& ctx) {
+               if (rank == 1 && step == 3) {
+                 if (scenario == "kill") std::raise(SIGKILL);
+                 if (scenario == "throw") throw std::runtime_error("injected failure on rank 1");
+               }
+               return r.forward_backward(s, &ctx);
+             });
+    ddp.module().sgd(0.01f);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void missing_collective(dpl::process_group const& group) {
+  int const last = group.size() - 1;
+  for (int k = 0; k < 10; ++k) {
+    if (group.rank() == last && k == 3) {
+      std::this_thread::sleep_for(std::chrono::seconds(120));  // never calls collective #4
+      return;
+    }
+    std::vector<float> v(100, 1.0f);
+    group.all_reduce(dpl::view(v)).wait();
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing <timeout_ms>\n");
+    return 2;
+  }
+  std::string const scenario = argv[1];
+  auto const timeout = std::chrono::milliseconds(std::atoi(argv[2]));
+  int rank = -1;
+  try {
+    auto const group = dpl::mpi::init_process_group(
+        {.timeout = timeout}, {.probe_window = std::chrono::seconds(1), .exit_grace = std::chrono::seconds(3)});
+    rank = group.rank();
+    if (scenario == "missing") missing_collective(group);
+    else ddp_training(group, scenario);
+    std::printf("mpi_fault: rank %d: finished without error\n", rank);
+    return 0;
+  } catch (std::exception const& e) {
+    if (auto const* c = find_comm_error(e)) {
+      std::fprintf(stderr, "mpi_fault: rank %d: caught comm_error naming rank %d: %s\n", rank, c->rank(), c->what());
+    } else {
+      std::fprintf(stderr, "mpi_fault: rank %d: caught: %s\n", rank, e.what());
+    }
+    return 1;
+  }
+}

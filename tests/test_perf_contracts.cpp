@@ -1,0 +1,503 @@
+// The contracts behind the performance work (issue 6), stated as equalities, never as timings:
+// - DDP's gradient_as_bucket_view gives the same bits as the copying mode, allocates no bucket
+//   memory, and refuses (on every rank, with a clear error) ranks whose buckets would differ;
+// - steady-state DP and DDP steps allocate nothing through the backend's allocator;
+// - DP's reduction, split by elements over the devices, gives the bits of one weighted_sum;
+// - the host communicator's small-message path gives the bits of the serial rank-order reference
+//   on both sides of its threshold.
+#include "models.hpp"
+
+#include <dparallel/comm/host.hpp>
+#include <dparallel/dparallel.hpp>
+#include <dparallel/spawn.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace dpl = dparallel;
+
+namespace {
+
+/// Linear regression whose parameters live in one flat buffer and whose gradients live in
+/// another, in parameter order (the layout gradient_as_bucket_view wants). With `gap`, one unused
+/// float separates consecutive gradients: no two gradients are adjacent. Backward marks each
+/// gradient ready as soon as it is computed, last parameter first.
+struct flat_model {
+  std::vector<std::size_t> sizes;
+  std::size_t dim = 0;
+  bool gap = false;
+  std::vector<float> w, g;
+  std::vector<float> stats{0};
+
+  explicit flat_model(std::vector<std::size_t> s = {3, 5, 1, 8, 2, 4}, std::uint64_t seed = 1, bool with_gap = false)
+      : sizes(std::move(s)), gap(with_gap) {
+    for (std::size_t n : sizes) dim += n;
+    w.resize(dim);
+    test::rng r{seed};
+    for (auto& x : w) x = static_cast<float>(r.small_int(-2, 2)) + static_cast<float>(r.uniform()) * 0.25f;
+    relayout(with_gap);
+  }
+  /// Gives the gradients new storage, with or without gaps between them.
+  void relayout(bool with_gap) {
+    gap = with_gap;
+    std::vector<float> fresh(dim + (gap ? sizes.size() : 0), 0.0f);
+    g.swap(fresh);
+  }
+  /// With `overlapping`, each gradient starts one element before the previous one ends (a bug a
+  /// model could have: two gradients sharing memory).
+  bool overlapping = false;
+  [[nodiscard]] std::size_t start(std::size_t p, bool grads) const {
+    std::size_t o = 0;
+    for (std::size_t k = 0; k < p; ++k) o += sizes[k] + (grads && gap ? 1 : 0) - (grads && overlapping ? 1 : 0);
+    return o;
+  }
+  std::vector<dpl::tensor_view<float>> parameters() {
+    std::vector<dpl::tensor_view<float>> out;
+    for (std::size_t p = 0; p < sizes.size(); ++p) out.emplace_back(w.data() + start(p, false), sizes[p]);
+    return out;
+  }
+  std::vector<dpl::tensor_view<float>> gradients() {
+    std::vector<dpl::tensor_view<float>> out;
+    for (std::size_t p = 0; p < sizes.size(); ++p) out.emplace_back(g.data() + start(p, true), sizes[p]);
+    return out;
+  }
+  auto buffers() { return std::array{dpl::view(stats)}; }
+
+  /// Gradient of the mean loss 0.5 (w.x - y)^2 over the shard; marks parameters ready in reverse
+  /// order when given a context, skipping `skip` (an unused parameter: its gradient is left as is).
+  float forward_backward(test::samples<float> const& s, dpl::step_context* ctx = nullptr,
+                         std::size_t skip = static_cast<std::size_t>(-1)) {
+    std::size_t const n = s.x.rows();
+    std::vector<float> r(n);
+    float loss = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      float pred = 0;
+      for (std::size_t j = 0; j < dim; ++j) pred += w[j] * s.x[i * dim + j];
+      r[i] = pred - s.y[i];
+      loss += 0.5f * r[i] * r[i];
+    }
+    float const inv = 1.0f / static_cast<float>(n);
+    auto grads = gradients();
+    for (std::size_t p = sizes.size(); p-- > 0;) {
+      if (p == skip) continue;
+      for (std::size_t j = 0; j < sizes[p]; ++j) {
+        float acc = 0;
+        for (std::size_t i = 0; i < n; ++i) acc += r[i] * s.x[i * dim + start(p, false) + j];
+        grads[p][j] = acc * inv;
+      }
+      if (ctx != nullptr) ctx->grad_ready(p);
+    }
+    stats[0] += static_cast<float>(n);
+    return loss * inv;
+  }
+  void sgd(float lr) {
+    auto grads = gradients();
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      for (std::size_t j = 0; j < sizes[p]; ++j) w[start(p, false) + j] -= lr * grads[p][j];
+  }
+  /// Every gradient, in parameter order (without the gaps).
+  [[nodiscard]] std::vector<float> flat_grads() {
+    std::vector<float> out;
+    for (auto const& v : gradients()) out.insert(out.end(), v.begin(), v.end());
+    return out;
+  }
+};
+static_assert(dpl::model<flat_model>);
+
+/// The host backend with an allocator that counts, per device index, the calls and the bytes.
+struct counting_backend : dpl::host::backend {
+  static constexpr int slots = 8;
+  static inline std::array<std::atomic<std::size_t>, slots> calls{};
+  static inline std::array<std::atomic<std::size_t>, slots> bytes{};
+  static void reset() {
+    for (auto& c : calls) c = 0;
+    for (auto& b : bytes) b = 0;
+  }
+  static std::shared_ptr<std::byte> allocate(dpl::device d, std::size_t n) {
+    auto const i = static_cast<std::size_t>(d.index) % slots;
+    calls[i] += 1;
+    bytes[i] += n;
+    return dpl::host::backend::allocate(d, n);
+  }
+};
+
+/// DDP reducing onto rank 0 only; every step starts from rank 0's parameters.
+struct to_root : dpl::ddp {
+  using replicate = dpl::policy::broadcast_each_step;
+  using reduce = dpl::policy::bucketed_reduce_to_root;
+};
+static_assert(dpl::semantics<to_root>);
+
+test::samples<float> rank_slice(test::dataset<float> const& d, int rank, std::size_t b) {
+  return dpl::slice_batch(d.all(), static_cast<std::size_t>(rank) * b, static_cast<std::size_t>(rank + 1) * b);
+}
+
+dpl::options tiny_buckets() {
+  return {.bucket_cap_mb = 24.0 / (1024 * 1024), .first_bucket_cap_mb = 8.0 / (1024 * 1024)};
+}
+
+bool same_bits(std::vector<float> const& a, std::vector<float> const& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+/// What one rank saw over a short training run: its gradients after every step, its final
+/// parameters.
+struct trace {
+  std::vector<std::vector<float>> grads;
+  std::vector<float> params;
+};
+
+/// Three synchronised steps, then two no_sync micro-steps and a synchronised one, SGD after each
+/// synchronised step; `skip` is a parameter the step never marks ready (needs
+/// find_unused_parameters).
+template <class Semantics = dpl::ddp>
+std::vector<trace> train(int world, bool view, bool hook, dpl::options opts, std::size_t skip = static_cast<std::size_t>(-1)) {
+  opts.gradient_as_bucket_view = view;
+  std::vector<trace> out(static_cast<std::size_t>(world));
+  dpl::spawn(world, [&](dpl::rank_context& rank) {
+    flat_model m({3, 5, 1, 8, 2, 4}, static_cast<std::uint64_t>(3 + rank.rank()));
+    dpl::parallel<flat_model, Semantics> ddp(m, rank.group(), opts);
+    auto& mine = out[static_cast<std::size_t>(rank.rank())];
+    auto fn = [&](flat_model& r, test::samples<float> s, dpl::step_context& ctx) {
+      return hook ? r.forward_backward(s, &ctx, skip) : r.forward_backward(s, nullptr, skip);
+    };
+    for (int step = 0; step < 6; ++step) {
+      auto const data = test::dataset<float>::make(5 * static_cast<std::size_t>(world), m.dim,
+                                                   static_cast<std::uint64_t>(40 + step), false);
+      if (step == 3 || step == 4) {
+        auto scope = ddp.no_sync();
+        ddp.step(rank_slice(data, rank.rank(), 5), fn);
+        continue;
+      }
+      ddp.step(rank_slice(data, rank.rank(), 5), fn);
+      mine.grads.push_back(m.flat_grads());
+      m.sgd(0.05f);
+    }
+    mine.params = m.w;
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("gradient_as_bucket_view gives bitwise the results of the copying mode", "[host][ddp][perf][contract]") {
+  for (int world = 1; world <= 4; ++world) {
+    for (bool hook : {false, true}) {
+      for (bool many : {false, true}) {
+        INFO("world = " << world << ", grad_ready = " << hook << ", many buckets = " << many);
+        auto const opts = many ? tiny_buckets() : dpl::options{};
+        auto const copying = train(world, false, hook, opts);
+        auto const viewing = train(world, true, hook, opts);
+        for (int r = 0; r < world; ++r) {
+          auto const& c = copying[static_cast<std::size_t>(r)];
+          auto const& v = viewing[static_cast<std::size_t>(r)];
+          REQUIRE(c.grads.size() == v.grads.size());
+          for (std::size_t k = 0; k < c.grads.size(); ++k) CHECK(same_bits(c.grads[k], v.grads[k]));
+          CHECK(same_bits(c.params, v.params));
+          CHECK(same_bits(v.params, viewing[0].params));  // replicas identical
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gradient_as_bucket_view: unused parameters and reduce-to-root give the copying mode's bits",
+          "[host][ddp][perf][contract]") {
+  dpl::options opts = tiny_buckets();
+  opts.find_unused_parameters = true;
+  auto const copying = train(3, false, true, opts, 2);
+  auto const viewing = train(3, true, true, opts, 2);
+  for (std::size_t r = 0; r < 3; ++r) {
+    for (std::size_t k = 0; k < copying[r].grads.size(); ++k) CHECK(same_bits(copying[r].grads[k], viewing[r].grads[k]));
+    CHECK(same_bits(copying[r].params, viewing[r].params));
+  }
+
+  auto const root_copying = train<to_root>(3, false, true, tiny_buckets());
+  auto const root_viewing = train<to_root>(3, true, true, tiny_buckets());
+  for (std::size_t k = 0; k < root_copying[0].grads.size(); ++k)
+    CHECK(same_bits(root_copying[0].grads[k], root_viewing[0].grads[k]));  // rank 0 holds the reduction
+}
+
+TEST_CASE("gradient_as_bucket_view allocates no bucket memory; steady-state DDP steps allocate nothing",
+          "[host][ddp][perf]") {
+  using ddp_counting = dpl::parallel<flat_model, dpl::ddp, counting_backend>;
+  for (bool view : {false, true}) {
+    for (bool many : {false, true}) {
+      INFO("gradient_as_bucket_view = " << view << ", many buckets = " << many);
+      counting_backend::reset();
+      struct seen {
+        std::size_t construct_calls = 0, construct_bytes = 0, planned_bytes = 0, after_first_calls = 0;
+        std::vector<std::size_t> later_calls;
+        std::size_t buckets = 0, reported_bytes = 0;
+      };
+      std::vector<seen> got(2);
+      dpl::spawn(2, [&](dpl::rank_context& rank) {
+        auto const slot = static_cast<std::size_t>(rank.rank());
+        auto& mine = got[slot];
+        flat_model m;
+        dpl::options opts = many ? tiny_buckets() : dpl::options{};
+        opts.gradient_as_bucket_view = view;
+        ddp_counting ddp(m, rank.group(), opts);
+        mine.construct_calls = counting_backend::calls[slot];
+        mine.construct_bytes = counting_backend::bytes[slot];
+        for (auto const& b : ddp.reducer().buckets()) mine.planned_bytes += b.elements * sizeof(float);
+        mine.buckets = ddp.reducer().buckets().size();
+        auto fn = [](flat_model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); };
+        auto const data = test::dataset<float>::make(8, m.dim, 9, false);
+        ddp.step(rank_slice(data, rank.rank(), 4), fn);  // copying mode rebuilds its buckets once, here
+        {
+          auto scope = ddp.no_sync();  // accumulation storage: made once, on first use
+          ddp.step(rank_slice(data, rank.rank(), 4), fn);
+        }
+        ddp.step(rank_slice(data, rank.rank(), 4), fn);
+        mine.after_first_calls = counting_backend::calls[slot];
+        for (int step = 0; step < 6; ++step) {
+          if (step % 2 == 0) {
+            auto scope = ddp.no_sync();
+            ddp.step(rank_slice(data, rank.rank(), 4), fn);
+          } else {
+            ddp.step(rank_slice(data, rank.rank(), 4), fn);
+          }
+          mine.later_calls.push_back(counting_backend::calls[slot]);
+        }
+        mine.reported_bytes = ddp.reducer().bucket_bytes();
+      });
+      for (auto const& s : got) {
+        if (view) {
+          CHECK(s.construct_calls == 0);  // no bucket storage: the buckets are the gradients
+          CHECK(s.construct_bytes == 0);
+          CHECK(s.reported_bytes == 0);
+        } else {
+          CHECK(s.construct_calls == s.buckets);  // one allocation per bucket, of the bucket's size
+          CHECK(s.construct_bytes == s.planned_bytes);
+          CHECK(s.reported_bytes == s.planned_bytes);
+        }
+        CHECK(s.later_calls == std::vector<std::size_t>(6, s.after_first_calls));  // steady state: nothing
+      }
+    }
+  }
+}
+
+TEST_CASE("steady-state DataParallel steps allocate nothing through the backend", "[host][dp][perf]") {
+  counting_backend::reset();
+  auto const data = test::dataset<float>::make(12, 4, 5, false);
+  test::linreg<float> master(4, 7);
+  dpl::parallel<test::linreg<float>, dpl::dp, counting_backend> dp(master, dpl::host::devices(3));
+  for (int step = 0; step < 5; ++step) {
+    dp.step(data.all(), [](test::linreg<float>& m, test::samples<float> s) { return m.forward_backward(s); });
+    master.sgd(0.1f);
+  }
+  std::size_t total = 0;
+  for (auto const& c : counting_backend::calls) total += c;
+  CHECK(total == 0);
+}
+
+TEST_CASE("DP's reduction split over the devices gives the bits of one weighted_sum", "[host][dp][perf][contract]") {
+  using model = test::chunked<float>;
+  for (int n = 1; n <= 4; ++n) {
+    for (std::size_t b : {std::size_t{3}, std::size_t{10}, std::size_t{37}}) {
+      INFO("devices = " << n << ", batch = " << b);
+      model master({700, 3, 1, 129}, 11);
+      auto const data = test::dataset<float>::make(b, master.dim, 77 + b, false);
+      // The reference: every shard's gradient on a copy of the master, then one weighted_sum.
+      auto const sizes = dpl::partition(b, static_cast<std::size_t>(n), dpl::chunking::torch_chunk, {}, {});
+      std::vector<model> shards;
+      std::vector<double> weights;
+      std::size_t off = 0;
+      for (std::size_t sz : sizes) {
+        if (sz == 0) continue;
+        shards.push_back(master);
+        shards.back().forward_backward(dpl::slice_batch(data.all(), off, off + sz));
+        weights.push_back(static_cast<double>(sz) / static_cast<double>(b));
+        off += sz;
+      }
+      std::vector<std::vector<float>> want;
+      for (std::size_t p = 0; p < master.g.size(); ++p) {
+        std::vector<float> dst(master.g[p].size());
+        std::vector<dpl::tensor_ref> src;
+        for (auto& s : shards) src.push_back(dpl::view(s.g[p]));
+        dpl::host::weighted_sum(dpl::view(dst), src, weights);
+        want.push_back(dst);
+      }
+      dpl::data_parallel<model> dp(master, dpl::host::devices(n));
+      dp.step(data.all(), [](model& m, test::samples<float> s) { return m.forward_backward(s); });
+      for (std::size_t p = 0; p < want.size(); ++p) CHECK(same_bits(master.g[p], want[p]));
+    }
+  }
+}
+
+TEST_CASE("gradient_as_bucket_view: ranks whose buckets differ fail construction on every rank, saying why",
+          "[host][ddp][perf][error]") {
+  SECTION("a different gradient layout") {
+    std::vector<std::string> seen(3);
+    std::mutex mu;
+    CHECK_THROWS(dpl::spawn(3, [&](dpl::rank_context& rank) {
+      flat_model m({3, 5, 1, 8, 2, 4}, 1, rank.rank() == 2);  // rank 2: gaps between its gradients
+      try {
+        dpl::distributed_data_parallel<flat_model> ddp(m, rank.group(), {.gradient_as_bucket_view = true});
+      } catch (std::exception const& e) {
+        std::lock_guard lock(mu);
+        seen[static_cast<std::size_t>(rank.rank())] = e.what();
+        throw;
+      }
+    }));
+    for (auto const& s : seen)
+      CHECK_THAT(s, Catch::Contains("rank 2 planned 6 gradient buckets, rank 0 planned 1") &&
+                        Catch::Contains("lay out its gradients the same way"));
+  }
+  SECTION("gradients that share memory on one rank") {
+    std::vector<std::string> seen(2);
+    std::mutex mu;
+    CHECK_THROWS(dpl::spawn(2, [&](dpl::rank_context& rank) {
+      flat_model m;
+      m.overlapping = rank.rank() == 1;
+      try {
+        dpl::distributed_data_parallel<flat_model> ddp(m, rank.group(), {.gradient_as_bucket_view = true});
+      } catch (std::exception const& e) {
+        std::lock_guard lock(mu);
+        seen[static_cast<std::size_t>(rank.rank())] = e.what();
+        throw;
+      }
+    }));
+    CHECK_THAT(seen[1], Catch::Contains("on rank 1: gradients") && Catch::Contains("overlap in memory"));
+    CHECK_THAT(seen[0], Catch::Contains("rank 1 could not plan its gradient buckets"));
+  }
+  SECTION("a different option") {
+    std::vector<std::string> seen(2);
+    std::mutex mu;
+    CHECK_THROWS(dpl::spawn(2, [&](dpl::rank_context& rank) {
+      flat_model m;
+      try {
+        dpl::distributed_data_parallel<flat_model> ddp(m, rank.group(), {.gradient_as_bucket_view = rank.rank() == 1});
+      } catch (std::exception const& e) {
+        std::lock_guard lock(mu);
+        seen[static_cast<std::size_t>(rank.rank())] = e.what();
+        throw;
+      }
+    }));
+    for (auto const& s : seen)
+      CHECK_THAT(s, Catch::Contains("rank 1 has gradient_as_bucket_view = true, rank 0 has false"));
+  }
+}
+
+TEST_CASE("gradient_as_bucket_view: gradients moved relative to each other fail the step on every rank",
+          "[host][ddp][perf][error]") {
+  std::vector<std::string> seen(2);
+  std::mutex mu;
+  CHECK_THROWS(dpl::spawn(
+      2,
+      [&](dpl::rank_context& rank) {
+        flat_model m;
+        dpl::distributed_data_parallel<flat_model> ddp(m, rank.group(), {.gradient_as_bucket_view = true});
+        auto const data = test::dataset<float>::make(4, m.dim, 2, false);
+        auto fn = [](flat_model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); };
+        ddp.step(rank_slice(data, rank.rank(), 2), fn);
+        m.relayout(false);  // the whole buffer moves: the buckets move with it, fine
+        ddp.step(rank_slice(data, rank.rank(), 2), fn);
+        if (rank.rank() == 1) m.relayout(true);  // gaps: the plan no longer describes rank 1's memory
+        try {
+          ddp.step(rank_slice(data, rank.rank(), 2), fn);
+        } catch (std::exception const& e) {
+          std::lock_guard lock(mu);
+          seen[static_cast<std::size_t>(rank.rank())] = e.what();
+          throw;
+        }
+      },
+      {.timeout = std::chrono::seconds(30)}));
+  CHECK_THAT(seen[1], Catch::Contains("is no longer where it was"));
+  CHECK_THAT(seen[0], Catch::Contains("rank 1"));
+}
+
+namespace {
+/// Deterministic values spanning several decades and both signs (summation order shows in the bits).
+template <class T>
+T value(int rank, std::size_t i, unsigned salt) {
+  std::uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ (static_cast<std::uint64_t>(rank) + 1) * 0xC2B2AE3D27D4EB4Full ^
+                    salt * 0x165667B19E3779F9ull;
+  h ^= h >> 31;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 29;
+  double const m = static_cast<double>(h % 1000003) / 500001.0 - 1.0;
+  constexpr double scale[5] = {1e-3, 1e-1, 1.0, 1e2, 1e4};
+  return static_cast<T>(m * scale[(h >> 20) % 5]);
+}
+
+template <class T>
+void check_around_threshold(int n) {
+  std::size_t const edge = dpl::detail::host_group::small_collective_bytes / sizeof(T);
+  auto groups = dpl::host::make_group(n, std::chrono::seconds(60));
+  unsigned salt = 0;
+  for (std::size_t count : {edge - 1, edge, edge + 1, 3 * edge}) {
+    for (auto op : {dpl::reduce_op::sum, dpl::reduce_op::avg}) {
+      ++salt;
+      INFO("ranks = " << n << ", elements = " << count << ", avg = " << (op == dpl::reduce_op::avg)
+                      << ", bytes per element = " << sizeof(T));
+      std::vector<std::vector<T>> ar(static_cast<std::size_t>(n)), rd(ar.size()), rs(ar.size()), ag(ar.size());
+      std::vector<std::vector<T>> rs_out(ar.size(), std::vector<T>(count));
+      std::vector<T> want(count), want_rs(static_cast<std::size_t>(n) * count), gathered;
+      for (int r = 0; r < n; ++r) {
+        auto& a = ar[static_cast<std::size_t>(r)];
+        for (std::size_t i = 0; i < count; ++i) a.push_back(value<T>(r, i, salt));
+        rd[static_cast<std::size_t>(r)] = a;
+        for (std::size_t i = 0; i < static_cast<std::size_t>(n) * count; ++i)
+          rs[static_cast<std::size_t>(r)].push_back(value<T>(r, i, salt + 1000));
+        for (std::size_t i = 0; i < count; ++i) ag[static_cast<std::size_t>(r)].push_back(value<T>(r, i, salt + 2000));
+        gathered.insert(gathered.end(), ag[static_cast<std::size_t>(r)].begin(), ag[static_cast<std::size_t>(r)].end());
+      }
+      auto const scale = T(1) / static_cast<T>(n);
+      for (std::size_t i = 0; i < count; ++i) {  // ((x0 + x1) + x2) + ..., then the average's factor
+        T v = ar[0][i];
+        for (int r = 1; r < n; ++r) v += ar[static_cast<std::size_t>(r)][i];
+        want[i] = op == dpl::reduce_op::avg ? v * scale : v;
+      }
+      for (std::size_t i = 0; i < want_rs.size(); ++i) {
+        T v = rs[0][i];
+        for (int r = 1; r < n; ++r) v += rs[static_cast<std::size_t>(r)][i];
+        want_rs[i] = op == dpl::reduce_op::avg ? v * scale : v;
+      }
+      std::vector<std::vector<T>> ag_out(ar.size(), std::vector<T>(static_cast<std::size_t>(n) * count));
+      std::vector<std::thread> threads;
+      for (int r = 0; r < n; ++r) {
+        threads.emplace_back([&, r] {
+          auto const u = static_cast<std::size_t>(r);
+          auto& g = groups[u];
+          auto w1 = g.all_reduce(dpl::view(ar[u]), op);
+          auto w2 = g.reduce(dpl::view(rd[u]), n - 1, op);
+          auto w3 = g.reduce_scatter(dpl::view(rs_out[u]), dpl::view(rs[u]), op);
+          auto w4 = g.all_gather(dpl::view(ag_out[u]), dpl::view(ag[u]));
+          w1.wait();
+          w2.wait();
+          w3.wait();
+          w4.wait();
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < n; ++r) {
+        auto const u = static_cast<std::size_t>(r);
+        CHECK(std::memcmp(ar[u].data(), want.data(), count * sizeof(T)) == 0);
+        if (r == n - 1) CHECK(std::memcmp(rd[u].data(), want.data(), count * sizeof(T)) == 0);
+        CHECK(std::memcmp(rs_out[u].data(), want_rs.data() + u * count, count * sizeof(T)) == 0);
+        CHECK(std::memcmp(ag_out[u].data(), gathered.data(), gathered.size() * sizeof(T)) == 0);
+      }
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("host communicator: both sides of the small-message threshold give the rank-order bits",
+          "[host][comm][perf][contract]") {
+  for (int n = 1; n <= 4; ++n) {
+    check_around_threshold<float>(n);
+    check_around_threshold<double>(n);
+  }
+}
