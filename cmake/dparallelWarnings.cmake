@@ -10,3 +10,12 @@ if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_L
   target_compile_options(dparallel_warnings INTERFACE
     $<$<COMPILE_LANGUAGE:CXX>:-Wno-missing-field-initializers>)
 endif()
+# nvcc: the host compiler's warnings for our CUDA translation units (device code is checked by
+# nvcc itself); -Werror is left off there because the toolkit's own headers are not warning-free
+# under every host compiler.
+target_compile_options(dparallel_warnings INTERFACE
+  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+  target_compile_options(dparallel_warnings INTERFACE
+    $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wno-missing-field-initializers>)
+endif()

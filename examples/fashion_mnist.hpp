@@ -123,8 +123,10 @@ class idx_reader {
 
 /// Loads one split: `prefix` is "train" or "t10k". Checks magic numbers, the 28x28 image size,
 /// that images and labels agree in number, that every label is a class 0..9, and that each file
-/// holds exactly what its header announces.
-inline dataset load(std::string const& dir, std::string const& prefix) {
+/// holds exactly what its header announces. With `max_samples` below the split's size, only the
+/// first max_samples images and labels are read (and the files' ends are not checked).
+inline dataset load(std::string const& dir, std::string const& prefix,
+                    std::size_t max_samples = static_cast<std::size_t>(-1)) {
   detail::idx_reader images(dir + "/" + prefix + "-images-idx3-ubyte.gz");
   auto const idims = images.header(0x00000803u, "unsigned bytes, 3 dimensions: images");
   if (idims[1] != image_side || idims[2] != image_side) {
@@ -141,18 +143,19 @@ inline dataset load(std::string const& dir, std::string const& prefix) {
                              images.path() + ", found " + std::to_string(ldims[0]));
   }
 
+  std::size_t const count = std::min(n, max_samples);  // the samples to read
   dataset out;
-  std::vector<unsigned char> bytes(n * image_size);
+  std::vector<unsigned char> bytes(count * image_size);
   images.read(bytes.data(), bytes.size(), "pixels");
-  images.expect_end(std::to_string(n) + " images");
+  if (count == n) images.expect_end(std::to_string(n) + " images");
   out.images.resize(bytes.size());
   for (std::size_t i = 0; i < bytes.size(); ++i) out.images[i] = static_cast<float>(bytes[i]) / 255.0f;
 
-  bytes.resize(n);
-  labels.read(bytes.data(), n, "labels");
-  labels.expect_end(std::to_string(n) + " labels");
-  out.labels.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
+  bytes.resize(count);
+  labels.read(bytes.data(), count, "labels");
+  if (count == n) labels.expect_end(std::to_string(n) + " labels");
+  out.labels.resize(count);
+  for (std::size_t i = 0; i < count; ++i) {
     if (bytes[i] >= classes) {
       throw std::runtime_error(labels.path() + ": expected labels 0..9, found " + std::to_string(bytes[i]) +
                                " for sample " + std::to_string(i));

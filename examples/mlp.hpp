@@ -233,6 +233,11 @@ struct mlp {
 
 /// The adaptation to dparallel, outside the model: its parameters and their gradients, in the
 /// same stable order. Replicas come from mlp's copy constructor.
+///
+/// The names and shapes are what a state dict or checkpoint file records (dparallel/io): "w1"
+/// [784, 512], "b1" [512], "w2" [512, 10], "b2" [10], each as the model stores it. The weights are
+/// inputs x outputs (a layer computes x W + b), the transpose of torch.nn.Linear's weight. With the
+/// shapes, loading a file whose tensors have the right sizes but other shapes is an error.
 template <>
 struct dparallel::model_traits<mlp> {
   static auto parameters(mlp& m) {
@@ -240,6 +245,11 @@ struct dparallel::model_traits<mlp> {
   }
   static auto gradients(mlp& m) {
     return std::array{dparallel::view(m.gw1), dparallel::view(m.gb1), dparallel::view(m.gw2), dparallel::view(m.gb2)};
+  }
+  static auto parameter_names(mlp&) { return std::array{"w1", "b1", "w2", "b2"}; }
+  static auto parameter_shapes(mlp&) {
+    return std::array{std::vector<std::size_t>{mlp::inputs, mlp::hidden}, std::vector<std::size_t>{mlp::hidden},
+                      std::vector<std::size_t>{mlp::hidden, mlp::classes}, std::vector<std::size_t>{mlp::classes}};
   }
 };
 static_assert(dparallel::replicable_model<mlp>);

@@ -13,11 +13,20 @@
 // --mode ddp --comm mpi runs the ranks as MPI processes instead of threads (built when MPI was
 // found): `mpirun -np 2 train_mlp --mode ddp --comm mpi ...`. Rank 0 alone prints; the MPI
 // communicator reduces in rank order, so the result is bitwise that of --comm thread.
+//
+// Files (dparallel/io): --save writes the trained model as a safetensors state dict, --init starts
+// from one instead of the seeded initialisation, --save-checkpoint writes the whole training state
+// (model, epoch, step, sampler position, seed; plain SGD has no optimizer state) and --resume
+// continues from one: a run stopped after k steps (--steps) and resumed gives bitwise the
+// parameters of a run that never stopped. Every rank reads --init and --resume; rank 0 alone
+// writes (the master model in dp, rank 0's replica in ddp: all replicas are equal).
 
 #include "fashion_mnist.hpp"
 #include "mlp.hpp"
 
 #include <dparallel/dparallel.hpp>
+#include <dparallel/io/checkpoint.hpp>
+#include <dparallel/io/state_dict.hpp>
 #if DPARALLEL_EXAMPLE_MPI
 #include <dparallel/comm/mpi.hpp>
 #endif
@@ -31,6 +40,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -39,6 +50,7 @@
 #include <string_view>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -58,6 +70,16 @@ struct config {
   bool json = false;
   bool help = false;
   std::string data = fashion_mnist::default_dir;
+  std::size_t train_samples = 0;  // 0 = the whole training set
+  std::size_t workers = 0;        // --workers: loader threads making batches ahead (0: on the training thread)
+  bool profile = false;           // --profile: print where the step time went at the end
+  bool seed_given = false;
+  // Stop after this many optimizer steps in total, counting those before --resume.
+  std::uint64_t steps = std::numeric_limits<std::uint64_t>::max();
+  std::string init;             // --init: a state dict to start from
+  std::string resume;           // --resume: a checkpoint to continue from
+  std::string save;             // --save: the trained model's state dict
+  std::string save_checkpoint;  // --save-checkpoint: the training state at the end
 };
 
 /// A bad command line: reported with exit code 2.
@@ -67,6 +89,15 @@ struct usage_error : std::runtime_error {
 
 struct training_data {
   fashion_mnist::dataset train, test;
+};
+
+/// Where training starts: the model (seeded, or read from --init or --resume) and the progress
+/// (zero with --seed, or the checkpoint's). Read once per process, before any wrapper or rank
+/// exists; every mode starts from a copy of `model`.
+struct start_point {
+  mlp model;
+  dparallel::training_progress progress{};
+  bool resumed = false;
 };
 
 /// Sum and L2 norm of all parameters, accumulated in double in parameters() order.
@@ -81,15 +112,19 @@ constexpr std::size_t early_steps = 20;
 /// What a run reports.
 struct result {
   int devices = 1;
-  double train_loss = 0;     // mean loss over the last epoch's batches (sample-weighted)
+  double train_loss = 0;     // mean loss over the batches of the last epoch run (sample-weighted)
   double test_accuracy = 0;  // after the last epoch
   double samples_per_s = 0;  // training samples / training wall time, all epochs
   double train_seconds = 0;  // training wall time, all epochs, evaluation excluded
   fingerprint params;        // of the trained parameters
-  // Of the parameters after the first `early_steps` optimizer steps (all of them if fewer): equal
-  // to the bit between modes whose gradients are (example_check compares them).
+  // Of the parameters after the first `early_steps` optimizer steps (at the end if the run stopped
+  // before them or resumed after them): equal to the bit between modes whose gradients are
+  // (example_check compares them).
   std::size_t early_steps = 0;
   fingerprint early;
+  std::uint64_t start_step = 0;  // optimizer steps done before this run (--resume)
+  std::uint64_t steps = 0;       // optimizer steps done at the end, start_step included
+  double data_wait_seconds = 0;  // time the training loop waited for its batches (the loader's)
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -134,33 +169,31 @@ class epoch_plan {
   std::vector<std::vector<std::uint32_t>> streams_;
 };
 
-/// Copies the samples a batch names into contiguous buffers and views them as one batch
-/// (images with rows = samples). The views stay valid until the next gather().
-class batch_gatherer {
- public:
-  batch_gatherer(fashion_mnist::dataset const& data, std::size_t capacity)
-      : data_(&data), images_(capacity * mlp::inputs), labels_(capacity) {}
+/// One batch's samples copied out of the dataset into buffers of its own (what the loader's make
+/// function returns, so that worker threads can make batches ahead); view() is the batch the
+/// model reads (images with rows = samples), valid while this object lives.
+struct gathered_batch {
+  std::vector<float> images;
+  std::vector<std::int32_t> labels;
 
-  batch gather(std::span<std::uint32_t const> samples) {
-    if (samples.size() > labels_.size()) {
-      images_.resize(samples.size() * mlp::inputs);
-      labels_.resize(samples.size());
-    }
-    std::size_t const n = samples.size();
-    for (std::size_t i = 0; i < n; ++i) {
-      float const* src = data_->images.data() + std::size_t{samples[i]} * mlp::inputs;
-      std::copy(src, src + mlp::inputs, images_.begin() + static_cast<std::ptrdiff_t>(i * mlp::inputs));
-      labels_[i] = data_->labels[samples[i]];
-    }
-    return {dparallel::tensor_view<float const>(images_.data(), n * mlp::inputs, n),
-            dparallel::tensor_view<std::int32_t const>(labels_.data(), n, n)};
+  [[nodiscard]] batch view() const {
+    std::size_t const n = labels.size();
+    return {dparallel::tensor_view<float const>(images.data(), n * mlp::inputs, n),
+            dparallel::tensor_view<std::int32_t const>(labels.data(), n, n)};
   }
-
- private:
-  fashion_mnist::dataset const* data_;
-  std::vector<float> images_;
-  std::vector<std::int32_t> labels_;
 };
+
+/// Copies the samples `samples` names, in that order. Reads `data` only: safe to call from
+/// several loader workers at once.
+gathered_batch gather(fashion_mnist::dataset const& data, std::span<std::size_t const> samples) {
+  gathered_batch out{std::vector<float>(samples.size() * mlp::inputs), std::vector<std::int32_t>(samples.size())};
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    float const* src = data.images.data() + samples[i] * mlp::inputs;
+    std::copy(src, src + mlp::inputs, out.images.begin() + static_cast<std::ptrdiff_t>(i * mlp::inputs));
+    out.labels[i] = data.labels[samples[i]];
+  }
+  return out;
+}
 
 /// Plain SGD on the master: p -= lr * g for every parameter, reached through the same
 /// customisation points dparallel uses.
@@ -196,73 +229,245 @@ fingerprint parameter_fingerprint(mlp& m) {
 
 using seconds = std::chrono::duration<double>;
 
-/// The training loop every mode runs. `step(batch const&) -> double` is the mode: it returns the
-/// mean loss over the global batch and leaves the gradient of that mean loss in `master`'s
-/// gradients. Then SGD updates `master`; after each epoch `master` is evaluated on the test set.
+/// Reads --init or --resume (every process does, before any wrapper or rank exists): the
+/// seeded model, or the state dict of --init (strict: every name and shape must match), or the
+/// model and progress of the checkpoint of --resume. Errors name the option and the file.
+start_point load_start(config const& cfg) {
+  start_point s{mlp(cfg.seed)};
+  s.progress.seed = cfg.seed;
+  // Whether a file is a checkpoint, to tell a checkpoint passed to --init or a state dict passed
+  // to --resume; nothing when it cannot be read (the load below says why).
+  auto is_checkpoint = [](std::string const& path) -> std::optional<bool> {
+    try {
+      return dparallel::safetensors_reader(path).metadata().contains(std::string(dparallel::checkpoint::format_key));
+    } catch (dparallel::error const&) {
+      return std::nullopt;
+    }
+  };
+  if (!cfg.init.empty()) {
+    if (is_checkpoint(cfg.init) == true)
+      throw std::runtime_error("--init " + cfg.init + ": expected a state dict (as --save writes), found a "
+                               "training checkpoint (as --save-checkpoint writes); continue it with --resume");
+    try {
+      dparallel::load_state_dict(cfg.init, s.model);
+    } catch (dparallel::error const& e) {
+      throw std::runtime_error(std::string("--init: ") + e.what());
+    }
+  }
+  if (!cfg.resume.empty()) {
+    if (is_checkpoint(cfg.resume) == false)
+      throw std::runtime_error("--resume " + cfg.resume + ": expected a training checkpoint (as --save-checkpoint "
+                               "writes), found no checkpoint marker in it; start from a state dict (as --save "
+                               "writes) with --init");
+    dparallel::checkpoint ckpt(s.model);  // plain SGD: no optimizer tensors
+    try {
+      ckpt.load(cfg.resume);
+    } catch (dparallel::error const& e) {
+      throw std::runtime_error(std::string("--resume: ") + e.what());
+    }
+    s.progress = ckpt.progress();
+    s.resumed = true;
+    if (cfg.seed_given && cfg.seed != s.progress.seed)
+      throw std::runtime_error("--resume " + cfg.resume + ": the checkpoint continues a run of seed " +
+                               std::to_string(s.progress.seed) + " (its shuffles), found --seed " +
+                               std::to_string(cfg.seed) + "; leave --seed out");
+  }
+  return s;
+}
+
+/// --save and --save-checkpoint: fails before training when a file's folder does not exist.
+void check_output_folders(config const& cfg) {
+  for (auto const& [option, file] :
+       {std::pair{"--save", &cfg.save}, std::pair{"--save-checkpoint", &cfg.save_checkpoint}}) {
+    if (file->empty()) continue;
+    std::filesystem::path const folder = std::filesystem::path(*file).parent_path();
+    if (!folder.empty() && !std::filesystem::is_directory(folder))
+      throw std::runtime_error(std::string(option) + " " + *file + ": expected the folder " + folder.string() +
+                               " to exist, found none; create it first");
+  }
+}
+
+/// --resume: checks that this run reads the data as the checkpoint's run did (the settings its
+/// sampler position depends on, which save_outputs records), so that resuming continues it exactly.
+void check_resume(config const& cfg, start_point const& start, training_data const& data) {
+  if (!start.resumed) return;
+  struct setting {
+    char const *key, *option;
+    std::size_t value;
+  };
+  for (setting const& s : {setting{"global_batch", "--batch", cfg.global_batch},
+                           setting{"sampler_replicas", "--sampler-replicas",
+                                   static_cast<std::size_t>(cfg.sampler_replicas)},
+                           setting{"train_samples", "--train-samples", data.train.size()}}) {
+    auto const it = start.progress.extra.find(s.key);
+    if (it == start.progress.extra.end())
+      throw std::runtime_error("--resume " + cfg.resume + ": expected the checkpoint's metadata to hold 'user." +
+                               s.key + "', found none: it was not written by train_mlp --save-checkpoint");
+    if (it->second != std::to_string(s.value))
+      throw std::runtime_error("--resume " + cfg.resume + ": the checkpoint was written by a run with " + s.option +
+                               " " + it->second + ", found " + s.option + " " + std::to_string(s.value) +
+                               "; resume with the settings it was written with (its sampler position counts "
+                               "their batches)");
+  }
+}
+
+/// Writes --save and --save-checkpoint (rank 0 only): the model `m`, and the training state
+/// `progress` with the settings that give its sampler position a meaning.
+void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m) {
+  if (!cfg.save.empty()) {
+    dparallel::save_state_dict(cfg.save, m, {{"steps", std::to_string(progress.step)}});
+    std::printf("train_mlp: saved the model after %llu steps to %s\n",
+                static_cast<unsigned long long>(progress.step), cfg.save.c_str());
+  }
+  if (!cfg.save_checkpoint.empty()) {
+    dparallel::checkpoint ckpt(m);  // plain SGD: no optimizer tensors to register
+    ckpt.progress() = progress;
+    ckpt.progress().extra = {{"global_batch", std::to_string(cfg.global_batch)},
+                             {"sampler_replicas", std::to_string(cfg.sampler_replicas)},
+                             {"train_samples", std::to_string(data.train.size())},
+                             {"mode", cfg.mode}};
+    ckpt.save(cfg.save_checkpoint);
+    std::printf("train_mlp: saved a checkpoint (epoch %llu, step %llu) to %s\n",
+                static_cast<unsigned long long>(progress.epoch), static_cast<unsigned long long>(progress.step),
+                cfg.save_checkpoint.c_str());
+  }
+  std::fflush(stdout);
+}
+
+/// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
+/// double` is the mode: it returns the mean loss over the global batch and leaves the gradient of
+/// that mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
+/// the wrapper's profile). Then SGD updates `master`; after each epoch `master` is evaluated on the test set.
 /// `rank` is -1 for modes that see the whole global batch; a DDP rank passes its rank and gets
-/// only its own part of every batch (rank 0 alone evaluates and prints).
+/// only its own part of every batch (rank 0 alone evaluates, prints and writes files).
+///
+/// Each epoch's batches come from a dparallel::loader (--workers threads make them ahead, in
+/// order) over the plan's index lists, so the batches, hence the results, do not depend on
+/// --workers.
+///
+/// The loop starts where `start.progress` stands (epoch, step, and the sampler position: the
+/// number of its indices each sampler replica has consumed in that epoch) and stops after the last
+/// epoch or at step cfg.steps, whichever comes first; the progress at that point is what
+/// --save-checkpoint writes, with the position of the next batch (an epoch's end is the next
+/// epoch's start).
 template <class Step>
-result train(config const& cfg, training_data const& data, mlp& master, int rank, Step&& step) {
+result train(config const& cfg, training_data const& data, start_point const& start, mlp& master, int rank,
+             Step&& step) {
   result r;
   bool const reports = rank <= 0;
-  batch_gatherer gatherer(data.train, cfg.global_batch);
+  auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
   auto const lr = static_cast<float>(cfg.lr);
+  std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
+  auto const epochs = static_cast<std::uint64_t>(cfg.epochs);
+  dparallel::training_progress p = start.progress;
+  r.start_step = p.step;
+  bool early_taken = false, evaluated = false;
   seconds total{0};
-  std::size_t steps = 0, seen = 0;
-  for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
-    auto const start = std::chrono::steady_clock::now();
-    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, cfg.seed, epoch);
+  std::size_t seen = 0;
+  while (p.epoch < epochs && p.step < cfg.steps) {
+    auto const begin = std::chrono::steady_clock::now();
+    int const epoch = static_cast<int>(p.epoch);
+    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, p.seed, epoch);
+    std::size_t const first = static_cast<std::size_t>(p.sampler.index) / per_rank;
+    if (p.sampler.epoch != p.epoch || p.sampler.index % per_rank != 0 || first >= plan.batches())
+      throw std::runtime_error("--resume: the checkpoint's sampler position (epoch " +
+                               std::to_string(p.sampler.epoch) + ", index " + std::to_string(p.sampler.index) +
+                               ") is not the start of a batch of epoch " + std::to_string(p.epoch) + " (" +
+                               std::to_string(plan.batches()) + " batches of " + std::to_string(per_rank) +
+                               " samples per replica); it was not written by this program's --save-checkpoint");
+    // Batches first.. of the epoch: the whole global batch, or this rank's part of it.
+    std::vector<std::vector<std::size_t>> lists;
+    std::vector<std::size_t> global_sizes;
+    for (std::size_t k = first; k < plan.batches(); ++k) {
+      std::vector<std::uint32_t> const all = plan.global(k);
+      global_sizes.push_back(all.size());
+      if (rank < 0) {
+        lists.emplace_back(all.begin(), all.end());
+      } else {
+        auto const part = plan.slice(k, rank);
+        lists.emplace_back(part.begin(), part.end());
+      }
+    }
+    dparallel::loader batches(lists, make, {.num_workers = cfg.workers});
     double loss_sum = 0;
-    for (std::size_t j = 0; j < plan.batches(); ++j) {
-      std::vector<std::uint32_t> const all = plan.global(j);
-      batch const b = rank < 0 ? gatherer.gather(all) : gatherer.gather(plan.slice(j, rank));
-      double const loss = step(b);
+    std::size_t samples = 0, j = first;
+    for (; j < plan.batches() && p.step < cfg.steps; ++j) {
+      std::optional<gathered_batch> const made = batches.next();
+      if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
+      r.data_wait_seconds += seconds(batches.last_wait()).count();
+      double const loss = step(made->view(), batches.last_wait());
       sgd(master, lr);
-      loss_sum += loss * static_cast<double>(all.size());
-      if (++steps == early_steps) {
-        r.early_steps = steps;
+      std::size_t const n = global_sizes[j - first];
+      loss_sum += loss * static_cast<double>(n);
+      samples += n;
+      p.sampler.index = (j + 1) * per_rank;
+      if (++p.step == early_steps) {
+        early_taken = true;
+        r.early_steps = early_steps;
         r.early = parameter_fingerprint(master);  // once; well under a millisecond
       }
     }
-    seconds const took = std::chrono::steady_clock::now() - start;
+    if (j == plan.batches()) p.sampler = {.epoch = ++p.epoch, .index = 0};
+    seconds const took = std::chrono::steady_clock::now() - begin;
     total += took;
-    seen += plan.samples();
-    r.train_loss = loss_sum / static_cast<double>(plan.samples());
+    seen += samples;
+    r.train_loss = loss_sum / static_cast<double>(samples);
     if (!reports) continue;
     r.test_accuracy = evaluate(master, data.test);
-    std::printf("epoch %d/%d  train_loss %.4f  test_accuracy %.4f  samples/s %.0f  (%.2f s)\n", epoch + 1, cfg.epochs,
-                r.train_loss, r.test_accuracy, static_cast<double>(plan.samples()) / took.count(), took.count());
+    evaluated = true;
+    std::printf("epoch %d/%d  train_loss %.4f  test_accuracy %.4f  samples/s %.0f  (%.2f s)", epoch + 1, cfg.epochs,
+                r.train_loss, r.test_accuracy, static_cast<double>(samples) / took.count(), took.count());
+    if (first != 0 || j != plan.batches()) std::printf("  batches %zu-%zu of %zu", first + 1, j, plan.batches());
+    std::printf("\n");
     std::fflush(stdout);
   }
+  if (reports && !evaluated) r.test_accuracy = evaluate(master, data.test);  // no step ran: the start model's
   r.train_seconds = total.count();
-  r.samples_per_s = static_cast<double>(seen) / total.count();
+  r.samples_per_s = seen == 0 ? 0.0 : static_cast<double>(seen) / total.count();
   r.params = parameter_fingerprint(master);
-  if (steps < early_steps) {
-    r.early_steps = steps;
+  r.steps = p.step;
+  if (!early_taken) {
+    r.early_steps = static_cast<std::size_t>(p.step);
     r.early = r.params;
   }
+  if (reports) save_outputs(cfg, data, p, master);
   return r;
 }
 
 // ------------------------------------------------------------------------------------------------
 // The modes: one function each, sharing everything above.
 
-/// One device: the model runs the whole global batch itself.
-result run_single(config const& cfg, training_data const& data) {
-  mlp model(cfg.seed);
-  result r =
-      train(cfg, data, model, -1, [&](batch const& b) { return static_cast<double>(model.forward_backward(b)); });
+/// One device: the model runs the whole global batch itself. No wrapper, so no step profile:
+/// --profile prints only the loop's total wait for its batches.
+result run_single(config const& cfg, training_data const& data, start_point const& start) {
+  mlp model = start.model;
+  result r = train(cfg, data, start, model, -1, [&](batch const& b, std::chrono::nanoseconds) {
+    return static_cast<double>(model.forward_backward(b));
+  });
   r.devices = 1;
+  if (cfg.profile)
+    std::printf("train_mlp: profile: data wait %.3f ms in total over %llu steps (--mode single has no wrapper, "
+                "so no step profile)\n",
+                r.data_wait_seconds * 1e3, static_cast<unsigned long long>(r.steps - r.start_step));
   return r;
+}
+
+/// --profile: the wrapper's table of its mean step (rank 0 alone prints under DDP).
+template <class Wrapper>
+void print_profile(config const& cfg, Wrapper const& wrapper) {
+  if (!cfg.profile) return;
+  std::printf("%s", dparallel::format_profile(wrapper.profile()).c_str());
+  std::fflush(stdout);
 }
 
 /// DataParallel over `cfg.devices` host logical devices: each step splits the global batch into
 /// shards (torch.chunk), copies the master's parameters to the replicas, runs forward/backward on
 /// every shard concurrently and reduces the shard-weighted gradients onto the master.
-result run_dp(config const& cfg, training_data const& data) {
-  mlp model(cfg.seed);
+result run_dp(config const& cfg, training_data const& data, start_point const& start) {
+  mlp model = start.model;
   dparallel::data_parallel<mlp> dp(model, dparallel::host::devices(cfg.devices));
-  result r = train(cfg, data, dp.module(), -1, [&](batch const& b) {
+  result r = train(cfg, data, start, dp.module(), -1, [&](batch const& b, std::chrono::nanoseconds waited) {
+    dp.note_data_wait(waited);
     std::vector<float> const losses =
         dp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
     // One mean loss per device that received a shard, in device order: weight each by its size.
@@ -273,22 +478,24 @@ result run_dp(config const& cfg, training_data const& data) {
     return sum / static_cast<double>(b.images.rows());
   });
   r.devices = cfg.devices;
+  print_profile(cfg, dp);
   return r;
 }
 
-result run_ddp_mpi(config const& cfg, training_data const& data);
+result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start);
 
 /// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
 /// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
 /// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
 /// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
-result run_ddp(config const& cfg, training_data const& data) {
-  if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data);
+result run_ddp(config const& cfg, training_data const& data, start_point const& start) {
+  if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data, start);
   result out;
   dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
-    mlp model(cfg.seed);
+    mlp model = start.model;
     dparallel::distributed_data_parallel<mlp> ddp(model, rank.group());
-    result r = train(cfg, data, ddp.module(), rank.rank(), [&](batch const& b) {
+    result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
+      ddp.note_data_wait(waited);
       float const loss =
           ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
       // The global batch's mean loss, for the progress line: sum of (loss x samples) over ranks.
@@ -297,7 +504,10 @@ result run_ddp(config const& cfg, training_data const& data) {
       rank.group().all_reduce(dparallel::view(sums)).wait();
       return sums[0] / sums[1];
     });
-    if (rank.rank() == 0) out = r;
+    if (rank.rank() == 0) {
+      out = r;
+      print_profile(cfg, ddp);
+    }
   });
   out.devices = cfg.devices;
   return out;
@@ -309,11 +519,12 @@ int mpi_rank = -1;
 
 /// DDP with one rank per MPI process: the same training as run_ddp, over the MPI group; each
 /// process reads its own part of every global batch. Returns rank 0's result on rank 0.
-result run_ddp_mpi(config const& cfg, training_data const& data) {
+result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start) {
   dparallel::process_group const& group = *mpi_group;
-  mlp model(cfg.seed);
+  mlp model = start.model;
   dparallel::distributed_data_parallel<mlp> ddp(model, group);
-  result r = train(cfg, data, ddp.module(), group.rank(), [&](batch const& b) {
+  result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
+    ddp.note_data_wait(waited);
     float const loss =
         ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
     std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
@@ -322,12 +533,13 @@ result run_ddp_mpi(config const& cfg, training_data const& data) {
     return sums[0] / sums[1];
   });
   r.devices = group.size();
+  if (group.rank() == 0) print_profile(cfg, ddp);
   return r;
 }
 
 struct mode {
   std::string_view name;
-  result (*run)(config const&, training_data const&);
+  result (*run)(config const&, training_data const&, start_point const&);
   std::string_view help;
 };
 constexpr std::array modes{
@@ -365,10 +577,29 @@ void print_usage(std::FILE* out) {
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        SGD learning rate (default: 0.1)\n"
-               "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1)\n"
+               "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1; --init\n"
+               "                 replaces the initialisation, --resume brings the checkpoint's seed)\n"
                "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
                "                 the concatenation of the R ranks' batch j (default: 1; ddp: --devices)\n"
                "  --data DIR     folder of the gzip'ed IDX files (default: %s)\n"
+               "  --train-samples N  train on the first N training images only (quick runs; default: all)\n"
+               "  --steps K      stop after K optimizer steps in total, counting those before --resume\n"
+               "                 (default: no limit; --epochs still ends the run)\n"
+               "  --workers N    N loader threads make each rank's batches ahead of training (default: 0,\n"
+               "                 made on the training thread); the batches, hence the results, are the same\n"
+               "  --profile      at the end, print where the mean step's time went (scatter, replicate,\n"
+               "                 compute, reduce, gather, data wait; ddp: rank 0's); single: the data wait\n"
+               "Files (safetensors; every process reads --init and --resume, rank 0 alone writes):\n"
+               "  --init FILE    start from the model in FILE (a state dict as --save writes it) instead of\n"
+               "                 the seeded initialisation; every name and shape must match\n"
+               "  --save FILE    at the end, save the trained model to FILE as a state dict (tensors w1, b1,\n"
+               "                 w2, b2; dp: the master model, ddp: rank 0's replica)\n"
+               "  --save-checkpoint FILE  at the end (after the last epoch or at --steps), save the training\n"
+               "                 state to FILE: model, epoch, step, sampler position, seed\n"
+               "  --resume FILE  continue the run a --save-checkpoint FILE stopped, in any mode: its model,\n"
+               "                 seed and position; --batch, --sampler-replicas and --train-samples must be\n"
+               "                 those it was written with, --epochs and --steps count from the run's start\n"
+               "Output and help:\n"
                "  --json         end with one line holding a JSON object of the results\n"
                "  --help         this text\n",
                std::max(1u, std::thread::hardware_concurrency()),
@@ -446,6 +677,7 @@ config parse_command_line(int argc, char** argv) {
       cfg.lr = parse_positive(arg, next());
     } else if (arg == "--seed") {
       cfg.seed = parse_int<std::uint64_t>(arg, next(), 0, UINT64_MAX);
+      cfg.seed_given = true;
     } else if (arg == "--sampler-replicas") {
       cfg.sampler_replicas = parse_int<int>(arg, next(), 1, 1024);
     } else if (arg == "--comm") {
@@ -460,10 +692,31 @@ config parse_command_line(int argc, char** argv) {
     } else if (arg == "--data") {
       cfg.data = std::string(next());
       if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
+    } else if (arg == "--train-samples") {
+      cfg.train_samples = parse_int<std::size_t>(arg, next(), 1, std::numeric_limits<std::uint32_t>::max());
+    } else if (arg == "--workers") {
+      cfg.workers = parse_int<std::size_t>(arg, next(), 0, 256);
+    } else if (arg == "--profile") {
+      flag();
+      cfg.profile = true;
+    } else if (arg == "--steps") {
+      cfg.steps = parse_int<std::uint64_t>(arg, next(), 0, std::numeric_limits<std::uint64_t>::max() - 1);
+    } else if (arg == "--init" || arg == "--resume" || arg == "--save" || arg == "--save-checkpoint") {
+      std::string& file = arg == "--init" ? cfg.init
+                          : arg == "--resume" ? cfg.resume
+                          : arg == "--save"   ? cfg.save
+                                              : cfg.save_checkpoint;
+      file = std::string(next());
+      if (file.empty()) throw usage_error(std::string(arg) + ": expected a file name, found an empty string");
     } else {
       throw usage_error("unknown option '" + std::string(argv[i]) + "'");
     }
   }
+  if (!cfg.init.empty() && !cfg.resume.empty())
+    throw usage_error("--init " + cfg.init + " --resume " + cfg.resume +
+                      ": a checkpoint holds the model already; pass one of them");
+  if (!cfg.save.empty() && cfg.save == cfg.save_checkpoint)
+    throw usage_error("--save and --save-checkpoint: expected two files, found " + cfg.save + " twice");
   if (cfg.comm == "mpi" && cfg.mode != "ddp")
     throw usage_error("--comm mpi: only --mode ddp runs over MPI processes, found --mode " + cfg.mode);
   if (cfg.comm == "mpi") return cfg;  // the world size, hence devices and sampler replicas, come from MPI: see main
@@ -537,7 +790,8 @@ std::string to_json(config const& cfg, result const& r, training_data const& dat
          ",\"train_loss\":" + number(r.train_loss) + ",\"samples_per_s\":" + number(r.samples_per_s) +
          ",\"train_seconds\":" + number(r.train_seconds) + ",\"param_sum\":" + exact(r.params.sum) +
          ",\"param_l2\":" + exact(r.params.l2) + ",\"early_steps\":" + std::to_string(r.early_steps) +
-         ",\"early_param_sum\":" + exact(r.early.sum) + ",\"early_param_l2\":" + exact(r.early.l2) + "}";
+         ",\"early_param_sum\":" + exact(r.early.sum) + ",\"early_param_l2\":" + exact(r.early.l2) +
+         ",\"start_step\":" + std::to_string(r.start_step) + ",\"steps\":" + std::to_string(r.steps) + "}";
 }
 
 }  // namespace
@@ -580,7 +834,17 @@ int main(int argc, char** argv) {
   std::string const who = mpi_rank < 0 ? std::string() : "rank " + std::to_string(mpi_rank) + ": ";
 
   try {
-    training_data const data{fashion_mnist::load(cfg.data, "train"), fashion_mnist::load(cfg.data, "t10k")};
+    check_output_folders(cfg);
+    start_point const start = load_start(cfg);  // before the data: a bad file fails fast
+    cfg.seed = start.progress.seed;              // --resume: the checkpoint's
+    training_data const data{
+        fashion_mnist::load(cfg.data, "train",
+                            cfg.train_samples == 0 ? std::numeric_limits<std::size_t>::max() : cfg.train_samples),
+        fashion_mnist::load(cfg.data, "t10k")};
+    if (cfg.train_samples > data.train.size())
+      throw usage_error("--train-samples " + std::to_string(cfg.train_samples) + ": expected at most the " +
+                        std::to_string(data.train.size()) + " images of the training set");
+    check_resume(cfg, start, data);
     if (prints) {
       if (mpi_rank < 0)
         std::printf("train_mlp: mode %s on %d host device%s, %zu training / %zu test images from %s\n",
@@ -592,10 +856,15 @@ int main(int argc, char** argv) {
       std::printf("train_mlp: %d epoch%s, global batch %zu, lr %s, seed %llu\n", cfg.epochs,
                   cfg.epochs == 1 ? "" : "s", cfg.global_batch, number(cfg.lr).c_str(),
                   static_cast<unsigned long long>(cfg.seed));
+      if (!cfg.init.empty()) std::printf("train_mlp: starting from the model in %s\n", cfg.init.c_str());
+      if (start.resumed)
+        std::printf("train_mlp: resuming %s at epoch %llu, step %llu\n", cfg.resume.c_str(),
+                    static_cast<unsigned long long>(start.progress.epoch),
+                    static_cast<unsigned long long>(start.progress.step));
       std::fflush(stdout);
     }
 
-    result const r = find_mode(cfg.mode)->run(cfg, data);
+    result const r = find_mode(cfg.mode)->run(cfg, data, start);
 
     if (prints) {
       std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",

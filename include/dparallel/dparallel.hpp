@@ -19,6 +19,7 @@
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/data/distributed_sampler.hpp>
+#include <dparallel/data/loader.hpp>
 #include <dparallel/backend/host/backend.hpp>
 #include <dparallel/policy/bucketed_reduce.hpp>
 #include <dparallel/policy/gather.hpp>

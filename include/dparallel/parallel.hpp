@@ -11,6 +11,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
+#include <dparallel/core/profile.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/detail/replica_set.hpp>
 #include <dparallel/policy/bucketed_reduce.hpp>
@@ -20,6 +21,7 @@
 #include <dparallel/policy/scatter.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <exception>
 #include <functional>
@@ -48,6 +50,14 @@ struct dp {
   using gather = policy::concat_outputs;
 };
 static_assert(semantics<dp>);
+
+/// DataParallel whose shard sizes follow each device's measured speed (policy::auto_balance):
+/// for devices of unequal speed. Results equal the one-device gradient, but shard sizes depend
+/// on timing, so runs are reproducible only up to rounding.
+struct dp_balanced : dparallel::dp {
+  using scatter = policy::auto_balance;
+};
+static_assert(semantics<dp_balanced>);
 
 /// DistributedDataParallel semantics (torch.nn.parallel.DistributedDataParallel): one replica per
 /// rank of a process group, each rank feeding its own batch (see distributed_sampler); rank 0's
@@ -138,11 +148,12 @@ class parallel {
       rs_.models.push_back(rs_.owned.back().get());
       check_replica(i);
     }
-    for (auto const& d : rs_.devices) rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(d.index));
+    for (auto const& d : rs_.devices) rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(d));
     rs_.compute_done.resize(rs_.size());
     rs_.refresh_views();
     replicate_.on_construct(rs_);
     reduce_.on_construct(rs_);
+    warn_if_devices_differ();
   }
 
   /// DDP: wraps this rank's `model` (by reference) in the process group `group`. Verifies that
@@ -153,7 +164,7 @@ class parallel {
   {
     detail::require(group.valid(), "parallel: expected a process group, found an empty process_group");
     verify_model(model, "DDP on rank " + std::to_string(group.rank()) + ": the model");
-    device const dev = opts.local_device.value_or(device{Backend::kind, group.rank()});
+    device const dev = opts.local_device.value_or(default_device(group.rank()));
     Backend::check_device(dev);
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
     rs_.master = &model;
@@ -161,7 +172,7 @@ class parallel {
     rs_.opts = std::move(opts);
     rs_.group = std::move(group);
     rs_.models.push_back(&model);
-    rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(dev.index));
+    rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(dev));
     rs_.compute_done.resize(1);
     rs_.refresh_views();
     replicate_.on_construct(rs_);
@@ -189,6 +200,24 @@ class parallel {
   [[nodiscard]] device output_device() const noexcept { return rs_.devices[rs_.output_slot]; }
   /// Shard sizes of the last step, one per device (0 = the device received no shard).
   [[nodiscard]] std::vector<std::size_t> const& last_shard_sizes() const noexcept { return rs_.shard_sizes; }
+  /// The scatter policy object (e.g. policy::auto_balance's rates and smoothing).
+  [[nodiscard]] scatter_type& scatterer() noexcept { return scatter_; }
+  [[nodiscard]] scatter_type const& scatterer() const noexcept { return scatter_; }
+
+  /// Where the time of the last step that succeeded went (see step_profile for the phases). Always
+  /// recorded: a few clock reads per step and per device; a step that throws records nothing.
+  [[nodiscard]] step_profile const& last_profile() const noexcept { return last_profile_; }
+  /// The steps recorded since construction or reset_profile(): profile().mean() is the mean step,
+  /// format_profile(profile()) a table of it.
+  [[nodiscard]] profile_summary const& profile() const noexcept { return profile_; }
+  void reset_profile() noexcept { profile_.reset(); }
+  /// Tells the wrapper how long the training loop waited for the next batch (e.g. a prefetching
+  /// loader's last wait). The time noted since the previous step is reported as data_wait of the
+  /// next step() (the step that consumes that batch); several calls add up.
+  template <class Rep, class Period>
+  void note_data_wait(std::chrono::duration<Rep, Period> waited) noexcept {
+    data_wait_ += std::chrono::duration_cast<profile_duration>(waited);
+  }
 
   /// RAII scope returned by no_sync().
   class [[nodiscard]] no_sync_scope {
@@ -244,8 +273,13 @@ class parallel {
   auto run_step(B const& batch, F& step_fn) {
     constexpr bool returns_value = !std::is_void_v<out_type>;
     using slot_type = std::conditional_t<returns_value, std::optional<out_type>, char>;
+    profile_duration const waited = std::exchange(data_wait_, profile_duration{});
+    auto const entered = profile_clock::now();
     plan(batch_size(batch));
     rs_.refresh_views();
+    started_.resize(rs_.size());
+    ended_.resize(rs_.size());
+    auto const planned = profile_clock::now();
     std::vector<slot_type> outs(rs_.size());
     std::vector<step_context> ctx(rs_.size());
     sync_guard guard{this};
@@ -265,6 +299,7 @@ class parallel {
       rs_.compute_done[i] = rs_.streams[i]->enqueue([&, i] {
         auto shard = slice_batch(batch, rs_.shard_offsets[i], rs_.shard_offsets[i] + rs_.shard_sizes[i]);
         Model& m = *rs_.models[i];
+        started_[i] = profile_clock::now();
         if constexpr (returns_value) {
           if constexpr (detail::step_with_context<F, Model, shard_type>) outs[i].emplace(step_fn(m, std::move(shard), ctx[i]));
           else outs[i].emplace(step_fn(m, std::move(shard)));
@@ -272,17 +307,70 @@ class parallel {
           if constexpr (detail::step_with_context<F, Model, shard_type>) step_fn(m, std::move(shard), ctx[i]);
           else step_fn(m, std::move(shard));
         }
+        ended_[i] = profile_clock::now();
       });
     }
     reduce_.finish(rs_);
     guard.armed = false;
     synchronize();
+    auto const drained = profile_clock::now();
     if constexpr (returns_value) {
       std::vector<out_type> done;
       done.reserve(rs_.size());
       for (std::size_t i = 0; i < rs_.size(); ++i)
         if (rs_.active(i)) done.push_back(std::move(*outs[i]));
-      return gather_type::gather(std::move(done), rs_);
+      auto result = gather_type::gather(std::move(done), rs_);
+      record_profile(waited, entered, planned, drained);
+      return result;
+    } else {
+      record_profile(waited, entered, planned, drained);
+    }
+  }
+
+  // Fills last_profile_ from the step's time points (see step_profile for the phases), adds it to
+  // the summary and tells an observing scatter policy.
+  void record_profile(profile_duration waited, profile_clock::time_point entered, profile_clock::time_point planned,
+                      profile_clock::time_point drained) {
+    auto const returned = profile_clock::now();
+    auto first = drained, last = planned;
+    step_profile& p = last_profile_;
+    p.device_compute.assign(rs_.size(), profile_duration{});
+    for (std::size_t i = 0; i < rs_.size(); ++i) {
+      if (!rs_.active(i)) continue;
+      first = std::min(first, started_[i]);
+      last = std::max(last, ended_[i]);
+      p.device_compute[i] = std::max(profile_duration{}, profile_duration(ended_[i] - started_[i]));
+    }
+    first = std::clamp(first, planned, drained);
+    last = std::clamp(last, first, drained);
+    p.data_wait = waited;
+    p.scatter = planned - entered;
+    p.replicate = first - planned;
+    p.compute = last - first;
+    p.reduce = drained - last;
+    p.gather = returned - drained;
+    p.total = returned - entered;
+    p.batch = rs_.batch;
+    p.rank = rs_.rank();
+    p.world_size = rs_.world_size();
+    p.devices = rs_.devices;
+    p.shard_sizes = rs_.shard_sizes;
+    profile_.add(p);
+    if constexpr (observing_scatter_policy<scatter_type>) scatter_.observe(p);
+  }
+
+  // DataParallel on a backend that describes its devices (static Backend::describe(device)):
+  // one warning through options::warning_sink when they differ by more than 25% in memory or
+  // multiprocessor count (device_mismatch). Several logical devices on one GPU never differ.
+  void warn_if_devices_differ() {
+    if constexpr (requires(device d) {
+                    { Backend::describe(d) } -> std::convertible_to<device_properties>;
+                  }) {
+      if (rs_.size() < 2 || !rs_.opts.warning_sink) return;
+      std::vector<device_properties> props;
+      props.reserve(rs_.size());
+      for (auto const& d : rs_.devices) props.push_back(Backend::describe(d));
+      if (auto line = device_mismatch(props); !line.empty()) rs_.opts.warning_sink(line);
     }
   }
 
@@ -304,7 +392,7 @@ class parallel {
 
   void plan(std::size_t total) {
     detail::require(total > 0, "step: expected a batch of at least one sample, found an empty batch");
-    auto sizes = scatter_type::shard_sizes(total, rs_.size(), rs_.opts);
+    auto sizes = scatter_.shard_sizes(total, rs_.size(), rs_.opts);
     detail::require(sizes.size() <= rs_.size(), "step: the scatter policy returned " + std::to_string(sizes.size()) +
                                                     " shards for " + std::to_string(rs_.size()) + " devices");
     sizes.resize(rs_.size(), 0);
@@ -351,6 +439,16 @@ class parallel {
     }
   }
 
+  // DDP's device when options::local_device is not given: the backend's choice for this rank
+  // (CUDA: the rank's GPU among the visible ones), else device `rank` of the backend's kind.
+  static device default_device(int rank) {
+    if constexpr (requires { Backend::default_device(rank); }) {
+      return Backend::default_device(rank);
+    } else {
+      return device{Backend::kind, rank};
+    }
+  }
+
   static void ready_trampoline(void* self, int replica, std::size_t param) {
     auto* p = static_cast<parallel*>(self);
     p->reduce_.grad_ready(p->rs_, replica, param);
@@ -359,6 +457,12 @@ class parallel {
   detail::replica_set<Model, Backend> rs_;
   replicate_type replicate_{};
   reduce_type reduce_{};
+  scatter_type scatter_{};
+  // Diagnostics: each device's step function start and end (written on its stream), the profile.
+  std::vector<profile_clock::time_point> started_, ended_;
+  step_profile last_profile_;
+  profile_summary profile_;
+  profile_duration data_wait_{};
 };
 
 /// torch.nn.DataParallel's counterpart (host backend by default).

@@ -170,16 +170,18 @@ struct batch_traits<std::pair<A, C>> {
 
 /// Aggregates of batches: the slice is the same struct when every member slices to its own type
 /// (e.g. a struct of tensor_views), otherwise a std::tuple of the member slices.
+namespace detail {
+// Stated on the specialisation, not on its members: nvcc's front end rejects member constraints
+// that name the class's own template parameter through members_of.
 template <class B>
-struct batch_traits<B, std::enable_if_t<detail::plain_aggregate<B>>> {
-  static std::size_t size(B const& b)
-    requires detail::all_batches<decltype(detail::members_of(b))>::value
-  {
-    return detail::common_batch_size(detail::members_of(b));
-  }
-  static auto slice(B const& b, std::size_t first, std::size_t last)
-    requires detail::all_batches<decltype(detail::members_of(b))>::value
-  {
+concept batch_aggregate =
+    plain_aggregate<B> && all_batches<decltype(members_of(std::declval<B const&>()))>::value;
+}  // namespace detail
+
+template <class B>
+struct batch_traits<B, std::enable_if_t<detail::batch_aggregate<B>>> {
+  static std::size_t size(B const& b) { return detail::common_batch_size(detail::members_of(b)); }
+  static auto slice(B const& b, std::size_t first, std::size_t last) {
     auto parts = detail::slice_members(detail::members_of(b), first, last);
     using member_types = typename detail::decay_tuple<decltype(detail::members_of(b))>::type;
     if constexpr (std::is_same_v<decltype(parts), member_types>) {

@@ -12,17 +12,22 @@ DPARALLEL_NAMESPACE_BEGIN
 enum class device_kind : std::uint8_t { host, cuda };
 
 /// A logical device. On the host backend `index` selects a logical device (a worker thread over
-/// host memory); on the CUDA backend it is a logical device mapped to a GPU ordinal. Several
-/// logical devices may share one physical device.
+/// host memory). On the CUDA backend `index` is the GPU ordinal and `lane` tells apart several
+/// logical devices on that one GPU (each with its own stream): cuda:0, cuda:0.1, cuda:0.2 are
+/// three logical devices on GPU 0 (how one-GPU machines run multi-device code paths).
 struct device {
   device_kind kind = device_kind::host;
   int index = 0;
+  int lane = 0;
 
   friend constexpr bool operator==(device, device) = default;
 };
 
+/// "host:1", "cuda:0", "cuda:0.2" (lane 2 of GPU 0).
 inline std::string to_string(device d) {
-  return std::string(d.kind == device_kind::host ? "host:" : "cuda:") + std::to_string(d.index);
+  std::string s = std::string(d.kind == device_kind::host ? "host:" : "cuda:") + std::to_string(d.index);
+  if (d.lane != 0) s += "." + std::to_string(d.lane);
+  return s;
 }
 
 /// The host memory every host logical device shares; the default device of a view.

@@ -6,10 +6,16 @@
 #include <dparallel/core/partition.hpp>
 
 #include <cstddef>
+#include <functional>
+#include <iostream>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
+
+/// The default options::warning_sink: "dparallel: warning: <line>" on std::cerr.
+inline void warn_to_stderr(std::string_view line) { std::cerr << "dparallel: warning: " << line << '\n'; }
 
 /// Options of parallel<>; every field has the default a PyTorch user expects. Use designated
 /// initialisers: `dparallel::options{.output_device = dev, .chunking = dparallel::chunking::even}`.
@@ -45,6 +51,13 @@ struct options {
   /// the same way: the wrapper checks that every rank made the same buckets and raises an error
   /// on every rank otherwise. Results are bitwise those of the default (copying) mode.
   bool gradient_as_bucket_view = false;
+
+  // --- Diagnostics ---
+  /// Where the wrapper's warnings go, one line each (no trailing newline); at present the one
+  /// warning is DataParallel's, at construction, about devices that differ by more than 25% in
+  /// memory or multiprocessors (backends that describe their devices only). An empty function
+  /// silences them.
+  std::function<void(std::string_view)> warning_sink = warn_to_stderr;
 };
 
 DPARALLEL_NAMESPACE_END

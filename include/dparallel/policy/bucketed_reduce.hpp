@@ -195,7 +195,7 @@ class bucketed_reduce {
   template <class Set>
   tensor_ref bucket_ref(Set& s, std::size_t b) const {
     auto const& spec = buckets_[b];
-    if (!view_) return tensor_ref(storage_[b].get(), spec.elements, spec.dtype);
+    if (!view_) return tensor_ref(storage_[b].get(), spec.elements, spec.dtype, s.devices[0]);
     if (spec.elements == 0) return tensor_ref(nullptr, 0, spec.dtype);
     tensor_ref const lowest = s.grads[0][spec.params[base_slot_[b]]];
     return tensor_ref(lowest.data(), spec.elements, spec.dtype, lowest.device());
@@ -276,9 +276,10 @@ class bucketed_reduce {
     works_.assign(buckets_.size(), work{});
   }
 
+  // Slot `slot` of bucket memory `m` (on `where`, the replica's device).
   static tensor_ref view_in(std::shared_ptr<std::byte> const& m, bucket_spec const& b, std::size_t slot,
-                            std::size_t count) {
-    return tensor_ref(m.get() + b.offsets[slot] * size_of(b.dtype), count, b.dtype);
+                            std::size_t count, device where) {
+    return tensor_ref(m.get() + b.offsets[slot] * size_of(b.dtype), count, b.dtype, where);
   }
 
   // Gradient i is final for this step: stage it in its bucket (or accumulate it under no_sync).
@@ -293,26 +294,26 @@ class bucketed_reduce {
     double const n = static_cast<double>(s.batch);
     if (!s.sync) {
       if (accum_.size() != buckets_.size()) allocate_accum(s);
-      tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i]);
+      tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
       if (first_accumulation_) ops::zero(acc);
       if (!unused) ops::add_scaled(acc, grad, n);
     } else if (view_) {  // the gradient is its own slot of the bucket: work in place
       if (accumulated_ == 0) {
         if (unused) ops::zero(grad);
       } else {  // the same operations, in the same order, as below: the same bits
-        tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i]);
+        tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
         if (!unused) ops::add_scaled(acc, grad, n);
         ops::copy(grad, acc);
         ops::scale(grad, 1.0 / (static_cast<double>(accumulated_) + n));
       }
       if (--pending_[b] == 0) launch_ready(s);
     } else {
-      tensor_ref const dst = view_in(storage_[b], spec, slot_of_[i], counts_[i]);
+      tensor_ref const dst = view_in(storage_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
       if (accumulated_ == 0) {
         if (unused) ops::zero(dst);
         else ops::copy(dst, grad);
       } else {  // the weighted mean of the accumulated steps and this one
-        tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i]);
+        tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
         ops::copy(dst, acc);
         if (!unused) ops::add_scaled(dst, grad, n);
         ops::scale(dst, 1.0 / (static_cast<double>(accumulated_) + n));
@@ -369,7 +370,7 @@ class bucketed_reduce {
     if (!view_ && (!ToRoot || s.group.rank() == 0)) {
       for (std::size_t i = 0; i < n; ++i) {
         auto const& spec = buckets_[bucket_of_[i]];
-        ops::copy(s.grads[0][i], view_in(storage_[bucket_of_[i]], spec, slot_of_[i], counts_[i]));
+        ops::copy(s.grads[0][i], view_in(storage_[bucket_of_[i]], spec, slot_of_[i], counts_[i], s.devices[0]));
       }
     }
     if (!rebuilt_ && !view_) {  // view buckets follow the memory, not the ready order

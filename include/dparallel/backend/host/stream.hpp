@@ -10,6 +10,7 @@
 //   original exception nested (std::rethrow_if_nested recovers it).
 
 #include <dparallel/config.hpp>
+#include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 
 #include <chrono>
@@ -83,6 +84,8 @@ class event {
 class stream {
  public:
   explicit stream(int device_index) : device_(device_index), worker_([this] { run(); }) {}
+  /// The stream of logical device `d` (its index names the device in errors).
+  explicit stream(device d) : stream(d.index) {}
   stream(stream const&) = delete;
   stream& operator=(stream const&) = delete;
   /// Finishes the queued work, then joins the worker.

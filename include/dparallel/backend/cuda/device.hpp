@@ -1,0 +1,150 @@
+#pragma once
+// CUDA devices: GPU ordinals, logical devices (lanes) on one GPU, pointer checks, peer access.
+
+#include <dparallel/config.hpp>
+#include <dparallel/backend/cuda/error.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Number of visible GPUs; 0 when there is none or no usable driver (the reason is in
+/// no_device_reason()).
+inline int device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+/// Why device_count() is 0 (the runtime's message), or an empty string when there are GPUs.
+inline std::string no_device_reason() {
+  int n = 0;
+  cudaError_t const e = cudaGetDeviceCount(&n);
+  (void)cudaGetLastError();
+  if (e != cudaSuccess) return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+  return n == 0 ? "no CUDA device is visible" : "";
+}
+
+/// Throws invalid_argument unless `d` is a CUDA device whose ordinal is below device_count().
+inline void check_device(device d) {
+  dparallel::detail::require(d.kind == device_kind::cuda && d.index >= 0 && d.lane >= 0,
+                             "cuda backend: expected a CUDA device (cuda:<ordinal>[.<lane>]), found " + to_string(d));
+  int const n = device_count();
+  if (d.index >= n) {
+    std::string why = n == 0 ? " (" + no_device_reason() + ")" : "";
+    throw invalid_argument("dparallel: cuda backend: device " + to_string(d) + " names GPU ordinal " +
+                           std::to_string(d.index) + ", but " + std::to_string(n) + " GPU(s) are visible" + why);
+  }
+}
+
+/// The first `n` GPUs, one logical device each: cuda:0 .. cuda:n-1.
+inline std::vector<device> devices(int n) {
+  dparallel::detail::require(n > 0, "cuda::devices: expected at least one device, found " + std::to_string(n));
+  std::vector<device> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(device{device_kind::cuda, i, 0});
+    check_device(out.back());
+  }
+  return out;
+}
+
+/// `n` logical devices on the one GPU `ordinal` (cuda:o, cuda:o.1, ...), each with its own stream:
+/// multi-device code paths on a single GPU. Transfers between them are device-to-device copies.
+inline std::vector<device> logical_devices(int n, int ordinal = 0) {
+  dparallel::detail::require(n > 0, "cuda::logical_devices: expected at least one device, found " + std::to_string(n));
+  std::vector<device> out;
+  for (int i = 0; i < n; ++i) out.push_back(device{device_kind::cuda, ordinal, i});
+  check_device(out.front());
+  return out;
+}
+
+/// Where the memory behind `p` lives: the GPU ordinal for device (or managed) memory, -1 for host
+/// memory (pageable or pinned).
+inline int pointer_ordinal(void const* p) {
+  cudaPointerAttributes a{};
+  cudaError_t const e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) ? a.device : -1;
+}
+
+/// Throws invalid_argument unless the view `t` claims a CUDA device and its memory really lives on
+/// that GPU (cudaPointerGetAttributes); `what` names the view in the message.
+inline void check_pointer(tensor_ref t, char const* what) {
+  dparallel::detail::require(t.device().kind == device_kind::cuda,
+                             std::string(what) + ": expected CUDA device memory, found a view on " + to_string(t.device()));
+  if (t.size() == 0) return;
+  int const where = pointer_ordinal(t.data());
+  if (where != t.device().index) {
+    throw invalid_argument("dparallel: " + std::string(what) + ": the view claims " + to_string(t.device()) +
+                           ", but its memory " +
+                           (where < 0 ? std::string("is host memory")
+                                      : "lives on GPU " + std::to_string(where)) +
+                           " (cudaPointerGetAttributes); expected memory on GPU " +
+                           std::to_string(t.device().index));
+  }
+}
+
+/// Enables peer access from GPU `from` to GPU `to` once per process; false when the pair cannot
+/// (then transfers go through cudaMemcpyPeerAsync, which stages them, and kernels never read the
+/// peer's memory directly).
+inline bool peer_access(int from, int to) {
+  if (from == to) return true;
+  static std::mutex m;
+  static std::set<std::pair<int, int>> enabled, refused;
+  std::lock_guard lock(m);
+  if (enabled.count({from, to}) != 0) return true;
+  if (refused.count({from, to}) != 0) return false;
+  int can = 0;
+  bool ok = cudaDeviceCanAccessPeer(&can, from, to) == cudaSuccess && can != 0;
+  if (ok) {
+    device_guard g(from);
+    cudaError_t const e = cudaDeviceEnablePeerAccess(to, 0);
+    ok = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+  }
+  (void)cudaGetLastError();
+  (ok ? enabled : refused).insert({from, to});
+  return ok;
+}
+
+namespace detail {
+struct current_state {
+  cudaStream_t stream = nullptr;
+  device dev{device_kind::cuda, 0, 0};
+  bool set = false;
+};
+inline current_state& current() {
+  thread_local current_state s;
+  return s;
+}
+}  // namespace detail
+
+/// The CUDA stream of the logical device whose work is running on the calling thread: inside a
+/// step function (or any work enqueued on a cuda::stream) launch kernels on it. Outside such
+/// work it is the legacy default stream (nullptr).
+inline cudaStream_t current_stream() noexcept { return detail::current().stream; }
+
+/// The logical device whose work runs on the calling thread; throws outside such work.
+inline device current_device() {
+  dparallel::detail::require(detail::current().set,
+                             "cuda::current_device: called outside work running on a cuda::stream");
+  return detail::current().dev;
+}
+
+}  // namespace cuda
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,251 @@
+// The CUDA backend on a GPU: the DataParallel contracts of tests/dp_contracts.hpp instantiated for
+// cuda::backend (2-4 logical devices on one GPU, or distinct GPUs), the kernels against the host
+// kernels, the stream/event semantics, the pointer checks, and DDP over NCCL thread ranks when
+// there are two GPUs or more. Without a GPU every test reports skipped (gpu_main.cpp).
+#include "../dp_contracts.hpp"
+#include "../threads.hpp"
+#include "cuda_linreg.cuh"
+
+#include <dparallel/backend/cuda/backend.hpp>
+#include <dparallel/backend/cuda/loader_stage.hpp>
+#include <dparallel/dparallel.hpp>
+#ifdef DPARALLEL_TEST_NCCL
+#include <dparallel/comm/nccl.hpp>
+#endif
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dpl = dparallel;
+using gpu = dpl::cuda::backend;
+
+namespace test {
+template <class T>
+struct model_of<gpu, T> {
+  using type = cuda_linreg<T>;
+};
+template <>
+std::vector<std::byte> read_back<gpu>(dpl::tensor_ref t) {
+  std::vector<std::byte> out(t.size_bytes());
+  dpl::cuda::check(cudaDeviceSynchronize(), "read_back");
+  if (!out.empty()) dpl::cuda::check(cudaMemcpy(out.data(), t.data(), out.size(), cudaMemcpyDefault), "read_back");
+  return out;
+}
+/// n logical devices: one per GPU when there are enough GPUs, else lanes of GPU 0.
+template <>
+std::vector<dpl::device> devices<gpu>(int n) {
+  return dpl::cuda::device_count() >= n ? dpl::cuda::devices(n) : dpl::cuda::logical_devices(n, 0);
+}
+}  // namespace test
+
+TEST_CASE("CUDA DP gives the one-device gradient on random data", "[cuda][dp][contract]") {
+  for (int n = 1; n <= 4; ++n)
+    for (std::size_t b : {std::size_t{1}, std::size_t{7}, std::size_t{64}, std::size_t{65}}) {
+      test::check_same_gradients<gpu, float>(n, b, false);
+      test::check_same_gradients<gpu, double>(n, b, false);
+    }
+}
+
+TEST_CASE("CUDA DP gives exactly the one-device gradient when the sums are exact", "[cuda][dp][contract]") {
+  for (int n : {1, 2, 4})
+    for (std::size_t b : {std::size_t(n), std::size_t{64}}) test::check_same_gradients<gpu, float>(n, b, true);
+}
+
+TEST_CASE("CUDA DP chunking options keep the gradient", "[cuda][dp][contract]") {
+  test::check_same_gradients<gpu, double>(3, 10, false, {.chunking = dpl::chunking::even});
+  test::check_same_gradients<gpu, double>(3, 10, false, {.chunking = dpl::chunking::sizes, .chunk_sizes = {0, 4, 6}});
+}
+
+TEST_CASE("CUDA DP training is bitwise reproducible", "[cuda][dp][contract]") {
+  for (int n : {2, 3}) CHECK(test::train_steps<gpu, float>(n, 6) == test::train_steps<gpu, float>(n, 6));
+}
+
+namespace {
+template <class T>
+std::vector<T> download(dpl::cuda::device_buffer<T> const& b) {
+  std::vector<T> out(b.size());
+  dpl::cuda::check(cudaDeviceSynchronize(), "download");
+  dpl::cuda::check(cudaMemcpy(out.data(), b.data(), b.size() * sizeof(T), cudaMemcpyDeviceToHost), "download");
+  return out;
+}
+template <class T>
+dpl::cuda::device_buffer<T> upload(std::vector<T> const& v) {
+  dpl::cuda::device_buffer<T> b(v.size(), dpl::device{dpl::device_kind::cuda, 0, 0});
+  dpl::cuda::check(cudaMemcpy(b.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return b;
+}
+}  // namespace
+
+TEST_CASE("CUDA kernels equal the host kernels bit for bit (float, double), any length and alignment",
+          "[cuda][kernels]") {
+  dpl::device const d{dpl::device_kind::cuda, 0, 0};
+  for (std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{1000}, std::size_t{100003}}) {
+    for (std::size_t sources : {std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{5}, std::size_t{8}}) {
+      test::rng g{n * 31 + sources};
+      std::vector<std::vector<float>> hs;
+      std::vector<double> w;
+      for (std::size_t k = 0; k < sources; ++k) {
+        std::vector<float> v(n + 1);  // +1: offset views below are misaligned for vector loads
+        for (auto& x : v) x = static_cast<float>(g.uniform() * 2 - 1);
+        hs.push_back(v);
+        w.push_back(g.uniform());
+      }
+      std::vector<dpl::cuda::device_buffer<float>> ds;
+      std::vector<dpl::tensor_ref> dsrc, hsrc;
+      for (auto& v : hs) {
+        ds.push_back(upload(v));
+        dsrc.push_back(dpl::tensor_ref(ds.back().data() + 1, n, dpl::dtype::f32, d));
+        hsrc.push_back(dpl::tensor_ref(v.data() + 1, n, dpl::dtype::f32));
+      }
+      std::vector<float> hout(n);
+      dpl::host::weighted_sum(dpl::view(hout), hsrc, w);
+      dpl::cuda::device_buffer<float> dout(n, d);
+      dpl::cuda::weighted_sum(nullptr, d, dout.view(), dsrc, w);
+      INFO("n = " << n << ", sources = " << sources);
+      CHECK(download(dout) == hout);
+    }
+    std::vector<double> a(n), b(n);
+    test::rng g{n};
+    for (auto& x : a) x = g.uniform();
+    for (auto& x : b) x = g.uniform();
+    auto da = upload(a);
+    auto db = upload(b);
+    dpl::host::add_scaled(dpl::view(a), dpl::view(b), 0.3);
+    dpl::cuda::add_scaled(nullptr, d, da.view(), db.view(), 0.3);
+    CHECK(download(da) == a);
+    dpl::host::scale(dpl::view(a), 1.0 / 3.0);
+    dpl::cuda::scale(nullptr, d, da.view(), 1.0 / 3.0);
+    CHECK(download(da) == a);
+  }
+}
+
+TEST_CASE("CUDA half types accumulate in float", "[cuda][kernels]") {
+  dpl::device const d{dpl::device_kind::cuda, 0, 0};
+  std::size_t const n = 4097;
+  std::vector<__half> x(n), y(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    x[i] = __float2half(static_cast<float>(i % 17) * 0.25f);
+    y[i] = __float2half(static_cast<float>(i % 5) * 0.5f);
+  }
+  auto dx = upload(x);
+  auto dy = upload(y);
+  std::vector<dpl::tensor_ref> src{dx.view(), dy.view()};
+  std::vector<double> w{0.5, 0.5};
+  dpl::cuda::device_buffer<__half> out(n, d);
+  dpl::cuda::weighted_sum(nullptr, d, out.view(), src, w);
+  auto const got = download(out);
+  for (std::size_t i = 0; i < n; ++i) {
+    float const want = 0.5f * __half2float(x[i]) + 0.5f * __half2float(y[i]);
+    REQUIRE(__half2float(got[i]) == __half2float(__float2half(want)));
+  }
+}
+
+TEST_CASE("CUDA streams order work across logical devices and report errors at synchronize", "[cuda][stream]") {
+  auto const devs = dpl::cuda::logical_devices(2, 0);
+  dpl::cuda::stream a(devs[0]), b(devs[1]);
+  dpl::cuda::device_buffer<float> buf(1 << 20, devs[0]);
+  std::vector<float> ones(1 << 20, 1.0f);
+  auto const filled = a.enqueue([&] {
+    dpl::cuda::copy(dpl::cuda::current_stream(), devs[0], buf.view(), dpl::tensor_ref(ones.data(), ones.size(), dpl::dtype::f32));
+  });
+  b.wait(filled);
+  b.enqueue([&] { dpl::cuda::scale(dpl::cuda::current_stream(), devs[1], buf.view(), 2.0); });
+  b.synchronize();
+  auto const got = download(buf);
+  CHECK(got.front() == 2.0f);
+  CHECK(got.back() == 2.0f);
+  a.enqueue([] { throw std::runtime_error("boom"); });
+  CHECK_THROWS_WITH(a.synchronize(), Catch::Contains("boom") && Catch::Contains("device 0"));
+  a.synchronize();  // cleared
+}
+
+TEST_CASE("CUDA bad input: views on the wrong device, ordinals beyond the count", "[cuda][errors]") {
+  int const n = dpl::cuda::device_count();
+  CHECK_THROWS_WITH(dpl::cuda::check_device(dpl::device{dpl::device_kind::cuda, n, 0}),
+                    Catch::Contains("GPU(s) are visible"));
+  std::vector<float> host(8);
+  // Host memory that claims to be on GPU 0.
+  dpl::tensor_ref const liar(host.data(), host.size(), dpl::dtype::f32, dpl::device{dpl::device_kind::cuda, 0, 0});
+  CHECK_THROWS_WITH(dpl::cuda::check_pointer(liar, "the parameter"), Catch::Contains("is host memory"));
+  dpl::cuda::device_buffer<float> on0(8, dpl::device{dpl::device_kind::cuda, 0, 0});
+  if (n >= 2) {
+    dpl::tensor_ref const wrong(on0.data(), 8, dpl::dtype::f32, dpl::device{dpl::device_kind::cuda, 1, 0});
+    CHECK_THROWS_WITH(dpl::cuda::check_pointer(wrong, "the parameter"), Catch::Contains("lives on GPU 0"));
+  }
+  // A model whose parameters are host memory cannot be wrapped for the CUDA backend.
+  test::linreg<float> host_model;
+  CHECK_THROWS_AS((dpl::parallel<test::linreg<float>, dpl::dp, gpu>(host_model, dpl::cuda::logical_devices(2))),
+                  dpl::invalid_argument);
+}
+
+#ifdef DPARALLEL_TEST_NCCL
+TEST_CASE("CUDA DDP over NCCL thread ranks equals one device on the global batch", "[cuda][nccl][ddp]") {
+  int const world = dpl::cuda::device_count();
+  if (world < 2) {
+    WARN("one GPU: NCCL needs a GPU per rank; DDP over NCCL thread ranks is not exercised");
+    return;
+  }
+  auto const data = test::dataset<double>::make(64, 4, 11, true);
+  test::cuda_linreg<double> ref(4, 7);
+  ref.forward_backward(data.all());
+  auto const want = test::flat_on<gpu>(ref, true);
+  auto groups = dpl::nccl::make_groups(dpl::cuda::devices(world));
+  std::vector<std::vector<double>> got(static_cast<std::size_t>(world));
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> ranks;
+  std::size_t const per = 64 / static_cast<std::size_t>(world);
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        dpl::device const d{dpl::device_kind::cuda, r, 0};
+        test::cuda_linreg<double> m(4, 7, d);
+        dpl::parallel<test::cuda_linreg<double>, dpl::ddp, gpu> ddp(m, groups[static_cast<std::size_t>(r)],
+                                                                   {.local_device = d});
+        auto const lo = static_cast<std::size_t>(r) * per;
+        test::samples<double> mine{data.all().x.slice_rows(lo, lo + per), data.all().y.slice_rows(lo, lo + per)};
+        ddp.step(mine, [](auto& model, test::samples<double> s) { return model.forward_backward(s); });
+        got[static_cast<std::size_t>(r)] = test::flat_on<gpu>(m, true);
+      } catch (std::exception const& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[static_cast<std::size_t>(r)]);
+    CHECK(errors[static_cast<std::size_t>(r)].empty());
+    CHECK(test::rel_error(got[static_cast<std::size_t>(r)], want) <= 1e-12);
+    CHECK(got[static_cast<std::size_t>(r)] == got[0]);
+  }
+}
+#endif
+
+TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory, in order, for 0 and 2 workers",
+          "[cuda][loader]") {
+  std::vector<std::size_t> order(40);
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = (i * 7) % order.size();
+  auto const make = [](std::span<std::size_t const> idx) {
+    std::vector<float> b;
+    for (std::size_t i : idx) b.push_back(static_cast<float>(i) * 0.5f);
+    return b;
+  };
+  for (std::size_t workers : {std::size_t{0}, std::size_t{2}}) {
+    dpl::loader batches(order, 6, make, {.num_workers = workers},
+                        dpl::cuda::to_device{dpl::device{dpl::device_kind::cuda, 0, 0}});
+    std::size_t k = 0;
+    for (auto& b : batches) {
+      auto const want = make(std::span<std::size_t const>(order).subspan(k * 6, std::min<std::size_t>(6, order.size() - k * 6)));
+      CHECK(b.view().device() == dpl::device{dpl::device_kind::cuda, 0, 0});
+      CHECK(download(b.data) == want);
+      ++k;
+    }
+    CHECK(k == batches.size());
+  }
+}
