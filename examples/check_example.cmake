@@ -9,6 +9,9 @@
 #    is the one-device gradient to the bit;
 #  - param_sum and param_l2 of the trained model within a relative 10^-REL_TOL_DIGITS (only the
 #    last, partial batch of the epoch is split differently, so they agree to ~1e-8 here).
+# Optional -DEARLY_BITWISE=OFF skips the bitwise check of the early parameters, which are then
+# compared within 10^-REL_TOL_DIGITS only: for --backend cuda runs, whose GPU model sums each
+# shard's gradient in cuBLAS's order rather than in the host model's blocks (scripts/gpu-check).
 
 foreach(var SINGLE OTHER MIN_ACCURACY REL_TOL_DIGITS)
   if(NOT DEFINED ${var})
@@ -172,7 +175,16 @@ foreach(run single dp)
   endif()
 endforeach()
 
-foreach(key early_param_sum early_param_l2)
+if(NOT DEFINED EARLY_BITWISE)
+  set(EARLY_BITWISE ON)
+endif()
+set(early_keys early_param_sum early_param_l2)
+if(NOT EARLY_BITWISE)
+  set(early_keys "")
+  message("example_check: EARLY_BITWISE=OFF: the parameters after ${single_early_steps} steps are compared within "
+          "1e-${REL_TOL_DIGITS}, not to the bit")
+endif()
+foreach(key IN LISTS early_keys)
   if(NOT single_${key}_text STREQUAL dp_${key}_text)
     fail("expected ${other}'s ${key} to equal single's bitwise, found ${dp_${key}_text} (${other}) and "
          "${single_${key}_text} (single): ${other} no longer computes the one-device gradient to the bit")

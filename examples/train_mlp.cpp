@@ -20,9 +20,18 @@
 // continues from one: a run stopped after k steps (--steps) and resumed gives bitwise the
 // parameters of a run that never stopped. Every rank reads --init and --resume; rank 0 alone
 // writes (the master model in dp, rank 0's replica in ddp: all replicas are equal).
+//
+// --backend cuda (built when CMake found CUDA) trains the same model on GPUs: mlp_cuda.cuh, driven
+// through train_mlp_cuda.hpp by the same loop, so the batches, the order and the files are those of
+// the host backend; --backend auto (the default) takes CUDA when a GPU is visible, else the host.
+// ddp on CUDA runs over NCCL: thread ranks need one GPU each; --comm nccl makes the ranks the
+// processes of an mpirun or torchrun-style launch.
 
 #include "fashion_mnist.hpp"
 #include "mlp.hpp"
+#if DPARALLEL_EXAMPLE_CUDA
+#include "train_mlp_cuda.hpp"
+#endif
 
 #include <dparallel/dparallel.hpp>
 #include <dparallel/io/checkpoint.hpp>
@@ -40,8 +49,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -60,7 +72,10 @@ namespace {
 
 struct config {
   std::string mode = "single";
-  std::string comm = "thread";  // ddp: thread ranks (spawn) or MPI processes
+  std::string backend = "auto";  // host, cuda, or auto (resolved by parse_command_line: cuda when a GPU is visible)
+  std::string backend_reason;    // why --backend auto chose the backend it did (empty when given)
+  int gpus = 0;                  // visible GPUs (counted when the backend may be cuda)
+  std::string comm = "thread";   // ddp: thread ranks, MPI processes, or NCCL processes (--backend cuda)
   int devices = 0;  // 0 = the mode's default
   int epochs = 5;
   std::size_t global_batch = 128;
@@ -334,10 +349,29 @@ void save_outputs(config const& cfg, training_data const& data, dparallel::train
   std::fflush(stdout);
 }
 
+/// The model train() evaluates, fingerprints and saves: on the host backend, the master itself.
+mlp& host_model(mlp& m) { return m; }
+
+#if DPARALLEL_EXAMPLE_CUDA
+/// The master of a --backend cuda run, as train() drives it: SGD runs on the GPU; evaluation,
+/// fingerprints and files read `host`, a copy of the GPU parameters made when asked for. (So both
+/// backends evaluate and save with the same host code.)
+struct gpu_master {
+  train_mlp_cuda::runner* run;
+  mlp host;
+};
+void sgd(gpu_master& m, float lr) { m.run->sgd(lr); }
+mlp& host_model(gpu_master& m) {
+  m.run->download(m.host);
+  return m.host;
+}
+#endif
+
 /// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
 /// double` is the mode: it returns the mean loss over the global batch and leaves the gradient of
 /// that mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
 /// the wrapper's profile). Then SGD updates `master`; after each epoch `master` is evaluated on the test set.
+/// `master` is an mlp, or a gpu_master on the CUDA backend (see host_model).
 /// `rank` is -1 for modes that see the whole global batch; a DDP rank passes its rank and gets
 /// only its own part of every batch (rank 0 alone evaluates, prints and writes files).
 ///
@@ -350,8 +384,8 @@ void save_outputs(config const& cfg, training_data const& data, dparallel::train
 /// epoch or at step cfg.steps, whichever comes first; the progress at that point is what
 /// --save-checkpoint writes, with the position of the next batch (an epoch's end is the next
 /// epoch's start).
-template <class Step>
-result train(config const& cfg, training_data const& data, start_point const& start, mlp& master, int rank,
+template <class Master, class Step>
+result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
              Step&& step) {
   result r;
   bool const reports = rank <= 0;
@@ -404,7 +438,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
       if (++p.step == early_steps) {
         early_taken = true;
         r.early_steps = early_steps;
-        r.early = parameter_fingerprint(master);  // once; well under a millisecond
+        r.early = parameter_fingerprint(host_model(master));  // once; well under a millisecond
       }
     }
     if (j == plan.batches()) p.sampler = {.epoch = ++p.epoch, .index = 0};
@@ -413,7 +447,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
     seen += samples;
     r.train_loss = loss_sum / static_cast<double>(samples);
     if (!reports) continue;
-    r.test_accuracy = evaluate(master, data.test);
+    r.test_accuracy = evaluate(host_model(master), data.test);
     evaluated = true;
     std::printf("epoch %d/%d  train_loss %.4f  test_accuracy %.4f  samples/s %.0f  (%.2f s)", epoch + 1, cfg.epochs,
                 r.train_loss, r.test_accuracy, static_cast<double>(samples) / took.count(), took.count());
@@ -421,21 +455,30 @@ result train(config const& cfg, training_data const& data, start_point const& st
     std::printf("\n");
     std::fflush(stdout);
   }
-  if (reports && !evaluated) r.test_accuracy = evaluate(master, data.test);  // no step ran: the start model's
+  if (reports && !evaluated)  // no step ran: the start model's
+    r.test_accuracy = evaluate(host_model(master), data.test);
   r.train_seconds = total.count();
   r.samples_per_s = seen == 0 ? 0.0 : static_cast<double>(seen) / total.count();
-  r.params = parameter_fingerprint(master);
+  r.params = parameter_fingerprint(host_model(master));
   r.steps = p.step;
   if (!early_taken) {
     r.early_steps = static_cast<std::size_t>(p.step);
     r.early = r.params;
   }
-  if (reports) save_outputs(cfg, data, p, master);
+  if (reports) save_outputs(cfg, data, p, host_model(master));
   return r;
 }
 
 // ------------------------------------------------------------------------------------------------
 // The modes: one function each, sharing everything above.
+
+/// --profile in single mode: the loop's total wait for its batches (no wrapper, no step profile).
+void print_single_profile(config const& cfg, result const& r) {
+  if (!cfg.profile) return;
+  std::printf("train_mlp: profile: data wait %.3f ms in total over %llu steps (--mode single has no wrapper, "
+              "so no step profile)\n",
+              r.data_wait_seconds * 1e3, static_cast<unsigned long long>(r.steps - r.start_step));
+}
 
 /// One device: the model runs the whole global batch itself. No wrapper, so no step profile:
 /// --profile prints only the loop's total wait for its batches.
@@ -445,10 +488,7 @@ result run_single(config const& cfg, training_data const& data, start_point cons
     return static_cast<double>(model.forward_backward(b));
   });
   r.devices = 1;
-  if (cfg.profile)
-    std::printf("train_mlp: profile: data wait %.3f ms in total over %llu steps (--mode single has no wrapper, "
-                "so no step profile)\n",
-                r.data_wait_seconds * 1e3, static_cast<unsigned long long>(r.steps - r.start_step));
+  print_single_profile(cfg, r);
   return r;
 }
 
@@ -482,14 +522,18 @@ result run_dp(config const& cfg, training_data const& data, start_point const& s
   return r;
 }
 
+#if DPARALLEL_EXAMPLE_MPI
 result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start);
+#endif
 
 /// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
 /// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
 /// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
 /// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
 result run_ddp(config const& cfg, training_data const& data, start_point const& start) {
+#if DPARALLEL_EXAMPLE_MPI
   if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data, start);
+#endif
   result out;
   dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
     mlp model = start.model;
@@ -513,9 +557,13 @@ result run_ddp(config const& cfg, training_data const& data, start_point const& 
   return out;
 }
 
-/// The MPI process group of --comm mpi (set by main), and this process's rank in it (-1: none).
+/// This process's rank under --comm mpi or nccl (-1: the ranks, if any, are threads).
+int process_rank = -1;
+
+#if DPARALLEL_EXAMPLE_MPI
+/// The MPI process group of --comm mpi (set by main; under --comm nccl, NCCL's bootstrap). Only in
+/// builds with MPI: without, nothing sets it and GCC rightly flags its use as a null dereference.
 dparallel::process_group const* mpi_group = nullptr;
-int mpi_rank = -1;
 
 /// DDP with one rank per MPI process: the same training as run_ddp, over the MPI group; each
 /// process reads its own part of every global batch. Returns rank 0's result on rank 0.
@@ -536,6 +584,90 @@ result run_ddp_mpi(config const& cfg, training_data const& data, start_point con
   if (group.rank() == 0) print_profile(cfg, ddp);
   return r;
 }
+#endif
+
+#if DPARALLEL_EXAMPLE_CUDA
+/// The NCCL process group of --comm nccl (set by main).
+dparallel::distributed_group const* nccl_group = nullptr;
+
+/// The training loop with a GPU runner as the master (rank as train() takes it).
+result train_on_gpu(config const& cfg, training_data const& data, start_point const& start,
+                    train_mlp_cuda::runner& run, int rank) {
+  gpu_master master{&run, start.model};
+  return train(cfg, data, start, master, rank,
+               [&run](batch const& b, std::chrono::nanoseconds waited) { return run.step(b, waited); });
+}
+
+/// --profile: a GPU runner's wrapper table (rank 0 alone prints under DDP).
+void print_gpu_profile(config const& cfg, train_mlp_cuda::runner const& run) {
+  if (!cfg.profile) return;
+  std::printf("%s", run.profile().c_str());
+  std::fflush(stdout);
+}
+
+/// --backend cuda: the mode's runner (train_mlp_cuda.hpp) on the GPUs, through the same loop as the
+/// host backend. ddp: thread ranks need one GPU each (NCCL); --comm nccl runs one rank per process.
+result run_cuda(config const& cfg, training_data const& data, start_point const& start) {
+  auto const announce = [](train_mlp_cuda::runner const& run) {
+    std::printf("train_mlp: logical devices %s\n", run.devices().c_str());
+    std::fflush(stdout);
+  };
+  if (cfg.mode == "single") {
+    auto const run = train_mlp_cuda::make_single(start.model);
+    announce(*run);
+    result r = train_on_gpu(cfg, data, start, *run, -1);
+    r.devices = 1;
+    print_single_profile(cfg, r);
+    return r;
+  }
+  if (cfg.mode == "dp") {
+    auto const run = train_mlp_cuda::make_dp(start.model, cfg.devices);
+    announce(*run);
+    result r = train_on_gpu(cfg, data, start, *run, -1);
+    r.devices = cfg.devices;
+    print_gpu_profile(cfg, *run);
+    return r;
+  }
+  if (cfg.comm == "nccl") {  // this process is one rank
+    dparallel::distributed_group const& group = *nccl_group;
+    auto const run = train_mlp_cuda::make_ddp(start.model, group, train_mlp_cuda::gpu_of(group));
+    result r = train_on_gpu(cfg, data, start, *run, group.rank());
+    r.devices = group.size();
+    if (group.rank() == 0) print_gpu_profile(cfg, *run);
+    return r;
+  }
+  // Thread ranks, one GPU each. A rank that fails aborts its group, so the others fail at once
+  // instead of at the timeout; the first failure is reported.
+  std::vector<dparallel::process_group> groups = train_mlp_cuda::make_nccl_groups(cfg.devices);
+  result out;
+  std::mutex m;
+  std::exception_ptr first;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < cfg.devices; ++r) {
+    ranks.emplace_back([&, r] {
+      dparallel::process_group const& group = groups[static_cast<std::size_t>(r)];
+      try {
+        auto const run = train_mlp_cuda::make_ddp(start.model, group, r);
+        result mine = train_on_gpu(cfg, data, start, *run, r);
+        if (r == 0) {
+          out = mine;
+          print_gpu_profile(cfg, *run);
+        }
+      } catch (std::exception const& e) {
+        {
+          std::lock_guard lock(m);
+          if (!first) first = std::current_exception();
+        }
+        group.abort("rank " + std::to_string(r) + " failed: " + e.what());
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  if (first) std::rethrow_exception(first);
+  out.devices = cfg.devices;
+  return out;
+}
+#endif
 
 struct mode {
   std::string_view name;
@@ -544,8 +676,9 @@ struct mode {
 };
 constexpr std::array modes{
     mode{"single", &run_single, "one device runs every batch"},
-    mode{"dp", &run_dp, "DataParallel over --devices host logical devices"},
-    mode{"ddp", &run_ddp, "DistributedDataParallel over --devices thread ranks, or MPI processes (--comm mpi)"},
+    mode{"dp", &run_dp, "DataParallel over --devices logical devices (host threads, or GPUs / lanes of one GPU)"},
+    mode{"ddp", &run_ddp,
+         "DistributedDataParallel over --devices thread ranks, or MPI / NCCL processes (--comm mpi / nccl)"},
 };
 
 mode const* find_mode(std::string_view name) {
@@ -570,10 +703,15 @@ void print_usage(std::FILE* out) {
     std::fprintf(out, "                   %.*s: %.*s\n", static_cast<int>(m.name.size()), m.name.data(),
                  static_cast<int>(m.help.size()), m.help.data());
   std::fprintf(out,
-               "  --devices N    dp: host logical devices, ddp: thread ranks, one core each (default: the\n"
-               "                 hardware threads, %u here); single: 1; ddp --comm mpi: the MPI processes\n"
-               "  --comm C       ddp only: thread (ranks are threads, default) or mpi (ranks are MPI processes:\n"
-               "                 mpirun -np N train_mlp --mode ddp --comm mpi; %s)\n"
+               "  --backend K    host, cuda or auto (default: auto: cuda when a GPU is visible, else host;\n"
+               "                 it prints which). cuda %s\n"
+               "  --devices N    dp: logical devices, ddp: thread ranks (default: the hardware threads, %u\n"
+               "                 here, one core each; cuda: the GPUs; dp on fewer GPUs puts lanes on GPU 0,\n"
+               "                 ddp on cuda needs N GPUs); single: 1; ddp --comm mpi|nccl: the processes\n"
+               "  --comm C       ddp only: thread (ranks are threads, default), mpi (ranks are MPI processes:\n"
+               "                 mpirun -np N train_mlp --mode ddp --comm mpi) or nccl (ranks are processes,\n"
+               "                 one GPU each, under mpirun or torchrun-style MASTER_ADDR/MASTER_PORT)\n"
+               "                 mpi: %s; nccl: %s\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        SGD learning rate (default: 0.1)\n"
@@ -602,11 +740,21 @@ void print_usage(std::FILE* out) {
                "Output and help:\n"
                "  --json         end with one line holding a JSON object of the results\n"
                "  --help         this text\n",
+#if DPARALLEL_EXAMPLE_CUDA
+               "is available in this build",
+#else
+               "is not available: this build found no CUDA",
+#endif
                std::max(1u, std::thread::hardware_concurrency()),
 #if DPARALLEL_EXAMPLE_MPI
                "available in this build",
 #else
                "not available: this build found no MPI",
+#endif
+#if DPARALLEL_EXAMPLE_NCCL
+               "available in this build",
+#else
+               "not available: this build found no NCCL",
 #endif
                fashion_mnist::default_dir);
 }
@@ -631,6 +779,44 @@ double parse_positive(std::string_view option, std::string_view text) {
   if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || !(v > 0))
     throw usage_error(std::string(option) + ": expected a positive number, found '" + s + "'");
   return v;
+}
+
+/// Resolves --backend auto: CUDA when this build has it and a GPU is visible (and the ranks are not
+/// MPI processes, whose engine reduces host memory), else the host. Returns why auto chose what it
+/// chose (empty for an explicit --backend); sets cfg.gpus. Throws std::runtime_error (exit status
+/// 1, not a usage error: the command is right, the machine lacks a GPU) for --backend cuda or
+/// --comm nccl without a GPU.
+std::string resolve_backend(config& cfg) {
+  std::string why;
+#if DPARALLEL_EXAMPLE_CUDA
+  if (cfg.backend == "host") return why;
+  cfg.gpus = train_mlp_cuda::device_count();
+  std::string const none = cfg.gpus == 0 ? train_mlp_cuda::no_device_reason() : std::string();
+  if (cfg.backend == "auto") {
+    if (cfg.comm == "mpi") {
+      cfg.backend = "host";
+      why = "--comm mpi reduces host memory";
+    } else if (cfg.gpus > 0) {
+      cfg.backend = "cuda";
+      why = std::to_string(cfg.gpus) + (cfg.gpus == 1 ? " GPU is" : " GPUs are") + " visible";
+    } else {
+      cfg.backend = "host";
+      why = "no CUDA device: " + none;
+    }
+  }
+  if (cfg.comm == "nccl" && cfg.gpus == 0)
+    throw std::runtime_error("--comm nccl: NCCL runs on GPUs, and there is none (" + none +
+                             "); on the host use --comm thread or mpi");
+  if (cfg.backend == "cuda" && cfg.gpus == 0)
+    throw std::runtime_error("--backend cuda: no CUDA device to run on (" + none +
+                             "); use --backend host, or --backend auto (the host when there is no GPU)");
+#else
+  if (cfg.backend == "auto") {
+    cfg.backend = "host";
+    why = "this build of train_mlp has no CUDA";
+  }
+#endif
+  return why;
 }
 
 config parse_command_line(int argc, char** argv) {
@@ -680,14 +866,28 @@ config parse_command_line(int argc, char** argv) {
       cfg.seed_given = true;
     } else if (arg == "--sampler-replicas") {
       cfg.sampler_replicas = parse_int<int>(arg, next(), 1, 1024);
+    } else if (arg == "--backend") {
+      cfg.backend = std::string(next());
+      if (cfg.backend != "host" && cfg.backend != "cuda" && cfg.backend != "auto")
+        throw usage_error("--backend: expected host, cuda or auto, found '" + cfg.backend + "'");
+#if !DPARALLEL_EXAMPLE_CUDA
+      if (cfg.backend == "cuda")
+        throw usage_error("--backend cuda: this build of train_mlp has no CUDA (CMake found no CUDA toolkit; install "
+                          "it, e.g. under /usr/local/cuda, then reconfigure)");
+#endif
     } else if (arg == "--comm") {
       cfg.comm = std::string(next());
-      if (cfg.comm != "thread" && cfg.comm != "mpi")
-        throw usage_error("--comm: expected thread or mpi, found '" + cfg.comm + "'");
+      if (cfg.comm != "thread" && cfg.comm != "mpi" && cfg.comm != "nccl")
+        throw usage_error("--comm: expected thread, mpi or nccl, found '" + cfg.comm + "'");
 #if !DPARALLEL_EXAMPLE_MPI
       if (cfg.comm == "mpi")
         throw usage_error("--comm mpi: this build of train_mlp has no MPI (CMake found none; Debian: apt-get install "
                           "libopenmpi-dev openmpi-bin, then reconfigure)");
+#endif
+#if !DPARALLEL_EXAMPLE_NCCL
+      if (cfg.comm == "nccl")
+        throw usage_error("--comm nccl: this build of train_mlp has no NCCL (CMake found no CUDA toolkit or no NCCL; "
+                          "set NCCL_ROOT, then reconfigure)");
 #endif
     } else if (arg == "--data") {
       cfg.data = std::string(next());
@@ -719,14 +919,24 @@ config parse_command_line(int argc, char** argv) {
     throw usage_error("--save and --save-checkpoint: expected two files, found " + cfg.save + " twice");
   if (cfg.comm == "mpi" && cfg.mode != "ddp")
     throw usage_error("--comm mpi: only --mode ddp runs over MPI processes, found --mode " + cfg.mode);
-  if (cfg.comm == "mpi") return cfg;  // the world size, hence devices and sampler replicas, come from MPI: see main
+  if (cfg.comm == "nccl" && cfg.mode != "ddp")
+    throw usage_error("--comm nccl: only --mode ddp runs over NCCL processes, found --mode " + cfg.mode);
+  if (cfg.comm == "mpi" && cfg.backend == "cuda")
+    throw usage_error("--comm mpi --backend cuda: the MPI engine reduces host memory; on GPUs use --comm nccl "
+                      "(under mpirun, MPI carries NCCL's unique id)");
+  if (cfg.comm == "nccl" && cfg.backend == "host")
+    throw usage_error("--comm nccl --backend host: NCCL reduces GPU memory; on the host use --comm thread or mpi");
+  if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);  // throws std::runtime_error (exit 1) without a GPU
+  // The world size, hence devices and sampler replicas, come from the launch: see main.
+  if (cfg.comm == "mpi" || cfg.comm == "nccl") return cfg;
   if (cfg.mode == "single") {
     if (devices_given && cfg.devices != 1)
       throw usage_error("--devices " + std::to_string(cfg.devices) +
                         ": --mode single runs on one device; use --mode dp for several");
     cfg.devices = 1;
   } else if (!devices_given) {
-    cfg.devices = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    cfg.devices = cfg.backend == "cuda" ? std::max(1, cfg.gpus)
+                                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
   if (cfg.mode == "ddp") {
     if (cfg.sampler_replicas != 0 && cfg.sampler_replicas != cfg.devices)
@@ -742,13 +952,15 @@ config parse_command_line(int argc, char** argv) {
   return cfg;
 }
 
-#if DPARALLEL_EXAMPLE_MPI
-/// --comm mpi: the ranks are the MPI processes. Checks --devices and --sampler-replicas against
-/// the world size and the batch's divisibility, as parse_command_line does for thread ranks.
+#if DPARALLEL_EXAMPLE_MPI || DPARALLEL_EXAMPLE_NCCL
+/// --comm mpi or nccl: the ranks are the processes of the launch. Checks --devices and
+/// --sampler-replicas against the world size and the batch's divisibility, as parse_command_line
+/// does for thread ranks.
 void apply_world(config& cfg, int world) {
   if (cfg.devices != 0 && cfg.devices != world)
-    throw usage_error("--devices " + std::to_string(cfg.devices) + ": under --comm mpi the ranks are the " +
-                      std::to_string(world) + " MPI processes (mpirun -np); leave --devices out");
+    throw usage_error("--devices " + std::to_string(cfg.devices) + ": under --comm " + cfg.comm +
+                      " the ranks are the " + std::to_string(world) +
+                      " processes of the launch (mpirun -np, torchrun --nproc-per-node); leave --devices out");
   if (cfg.sampler_replicas != 0 && cfg.sampler_replicas != world)
     throw usage_error("--sampler-replicas " + std::to_string(cfg.sampler_replicas) +
                       ": --mode ddp reads the data as its " + std::to_string(world) + " ranks do");
@@ -779,7 +991,7 @@ std::string exact(double v) {
 }
 
 std::string to_json(config const& cfg, result const& r, training_data const& data) {
-  return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"host\"" +
+  return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"" + cfg.backend + "\"" +
          (cfg.mode == "ddp" ? ",\"comm\":\"" + cfg.comm + "\"" : std::string()) +
          ",\"devices\":" + std::to_string(r.devices) +
          ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
@@ -803,6 +1015,9 @@ int main(int argc, char** argv) {
   } catch (usage_error const& e) {
     std::fprintf(stderr, "train_mlp: %s\nRun train_mlp --help for the options.\n", e.what());
     return 2;
+  } catch (std::exception const& e) {  // a right command on a machine that cannot run it (no GPU)
+    std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
+    return 1;
   }
   if (cfg.help) {
     print_usage(stdout);
@@ -814,15 +1029,16 @@ int main(int argc, char** argv) {
 
 #if DPARALLEL_EXAMPLE_MPI
   // --comm mpi: this process is one rank of the MPI job; the world size is the number of ranks.
+  // --comm nccl under mpirun (no MASTER_ADDR): the MPI group carries NCCL's unique id.
   std::optional<dparallel::distributed_group> world;
-  if (cfg.comm == "mpi") {
+  if (cfg.comm == "mpi" || (cfg.comm == "nccl" && std::getenv("MASTER_ADDR") == nullptr)) {
     try {
       world = dparallel::mpi::init_process_group();
       mpi_group = &*world;
-      mpi_rank = world->rank();
-      apply_world(cfg, world->size());
+      process_rank = world->rank();
+      if (cfg.comm == "mpi") apply_world(cfg, world->size());
     } catch (usage_error const& e) {
-      if (mpi_rank <= 0) std::fprintf(stderr, "train_mlp: %s\nRun train_mlp --help for the options.\n", e.what());
+      if (process_rank <= 0) std::fprintf(stderr, "train_mlp: %s\nRun train_mlp --help for the options.\n", e.what());
       return 2;
     } catch (std::exception const& e) {
       std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
@@ -830,8 +1046,32 @@ int main(int argc, char** argv) {
     }
   }
 #endif
-  bool const prints = mpi_rank <= 0;  // under MPI, rank 0 alone reports
-  std::string const who = mpi_rank < 0 ? std::string() : "rank " + std::to_string(mpi_rank) + ": ";
+#if DPARALLEL_EXAMPLE_NCCL
+  // --comm nccl: this process is one rank of an NCCL group over the launch's processes (rank 0's
+  // unique id through MPI as above, else through the TCP rendezvous at MASTER_ADDR:MASTER_PORT).
+  std::optional<dparallel::distributed_group> nccl_world;
+  if (cfg.comm == "nccl") {
+    try {
+#if DPARALLEL_EXAMPLE_MPI
+      dparallel::process_group const bootstrap = world ? dparallel::process_group(*world) : dparallel::process_group{};
+#else
+      dparallel::process_group const bootstrap;  // none: the TCP rendezvous (env://)
+#endif
+      nccl_world = train_mlp_cuda::init_nccl_process_group(bootstrap);
+      nccl_group = &*nccl_world;
+      process_rank = nccl_world->rank();
+      apply_world(cfg, nccl_world->size());
+    } catch (usage_error const& e) {
+      if (process_rank <= 0) std::fprintf(stderr, "train_mlp: %s\nRun train_mlp --help for the options.\n", e.what());
+      return 2;
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "train_mlp: error: %s\n", e.what());
+      return 1;
+    }
+  }
+#endif
+  bool const prints = process_rank <= 0;  // with process ranks, rank 0 alone reports
+  std::string const who = process_rank < 0 ? std::string() : "rank " + std::to_string(process_rank) + ": ";
 
   try {
     check_output_folders(cfg);
@@ -846,13 +1086,16 @@ int main(int argc, char** argv) {
                         std::to_string(data.train.size()) + " images of the training set");
     check_resume(cfg, start, data);
     if (prints) {
-      if (mpi_rank < 0)
-        std::printf("train_mlp: mode %s on %d host device%s, %zu training / %zu test images from %s\n",
-                    cfg.mode.c_str(), cfg.devices, cfg.devices == 1 ? "" : "s", data.train.size(), data.test.size(),
-                    cfg.data.c_str());
+      if (!cfg.backend_reason.empty())
+        std::printf("train_mlp: backend auto chose %s (%s)\n", cfg.backend.c_str(), cfg.backend_reason.c_str());
+      if (process_rank < 0)
+        std::printf("train_mlp: mode %s on %d %s device%s, %zu training / %zu test images from %s\n",
+                    cfg.mode.c_str(), cfg.devices, cfg.backend.c_str(), cfg.devices == 1 ? "" : "s",
+                    data.train.size(), data.test.size(), cfg.data.c_str());
       else
-        std::printf("train_mlp: mode %s over %d MPI processes, %zu training / %zu test images from %s\n",
-                    cfg.mode.c_str(), cfg.devices, data.train.size(), data.test.size(), cfg.data.c_str());
+        std::printf("train_mlp: mode %s over %d %s processes, %zu training / %zu test images from %s\n",
+                    cfg.mode.c_str(), cfg.devices, cfg.comm == "nccl" ? "NCCL" : "MPI", data.train.size(),
+                    data.test.size(), cfg.data.c_str());
       std::printf("train_mlp: %d epoch%s, global batch %zu, lr %s, seed %llu\n", cfg.epochs,
                   cfg.epochs == 1 ? "" : "s", cfg.global_batch, number(cfg.lr).c_str(),
                   static_cast<unsigned long long>(cfg.seed));
@@ -864,7 +1107,11 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
 
+#if DPARALLEL_EXAMPLE_CUDA
+    result const r = cfg.backend == "cuda" ? run_cuda(cfg, data, start) : find_mode(cfg.mode)->run(cfg, data, start);
+#else
     result const r = find_mode(cfg.mode)->run(cfg, data, start);
+#endif
 
     if (prints) {
       std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",

@@ -75,7 +75,7 @@ M reference_step(M model, samples<T> const& batch) {
 
 /// DP over n devices on a batch of b samples gives the one-device gradient; replicas run only
 /// for non-empty chunks; the outputs are gathered in batch order.
-template <class Backend, class T>
+template <class Backend, class T, class Semantics = dparallel::dp>
 void check_same_gradients(int n, std::size_t b, bool exact, dparallel::options opts = {}) {
   using model = typename model_of<Backend, T>::type;
   INFO("devices = " << n << ", batch = " << b << ", exact = " << exact);
@@ -83,7 +83,7 @@ void check_same_gradients(int n, std::size_t b, bool exact, dparallel::options o
   model master(4, 7);
   model ref = reference_step(master, data.all());
 
-  dparallel::parallel<model, dparallel::dp, Backend> wrapped(master, devices<Backend>(n), opts);
+  dparallel::parallel<model, Semantics, Backend> wrapped(master, devices<Backend>(n), opts);
   // Written by the replicas' threads (one slot each), checked here: Catch2 asserts on one thread.
   std::vector<int> calls(static_cast<std::size_t>(n), 0);
   std::vector<std::size_t> seen_rows(static_cast<std::size_t>(n), 0), told_rows(static_cast<std::size_t>(n), 0);

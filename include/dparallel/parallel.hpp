@@ -97,6 +97,37 @@ inline bool overlaps(tensor_ref a, tensor_ref b) {
   auto const* b0 = static_cast<char const*>(b.data());
   return a.size() != 0 && b.size() != 0 && a0 < b0 + b.size_bytes() && b0 < a0 + a.size_bytes();
 }
+
+/// Scratch whose type is known only inside one instantiation of step() (it depends on the step
+/// function's output type), kept across steps: get<T>() makes a T the first time and whenever the
+/// previous call asked for another type, and otherwise returns the same T, capacity and all.
+class typed_scratch {
+ public:
+  template <class T>
+  T& get() {
+    if (tag_ != &tag_of<T>) {
+      holder_ = std::make_unique<holder<T>>();
+      tag_ = &tag_of<T>;
+    }
+    return static_cast<holder<T>&>(*holder_).value;
+  }
+
+ private:
+  struct holder_base {
+    holder_base() = default;
+    holder_base(holder_base const&) = delete;
+    holder_base& operator=(holder_base const&) = delete;
+    virtual ~holder_base() = default;
+  };
+  template <class T>
+  struct holder final : holder_base {
+    T value{};
+  };
+  template <class T>
+  static constexpr char tag_of = 0;  // one address per type
+  std::unique_ptr<holder_base> holder_;
+  void const* tag_ = nullptr;
+};
 }  // namespace detail
 
 template <class Model, class Semantics = dp, class Backend = host::backend>
@@ -269,6 +300,22 @@ class parallel {
   }
 
  private:
+  // One step. In the steady state (after the first step; DDP: after its one bucket rebuild) it
+  // allocates nothing through Backend::allocate, and its own lists (views, output slots, step
+  // contexts, the policies' tensor lists) are members refilled in place. What still allocates
+  // on the calling thread, per step, and why it is left:
+  // - each piece of work enqueued on a host::stream: the event's shared state (waiters may hold
+  //   it past the work), the std::function when the work's captures exceed its small buffer
+  //   (the device work here captures one pointer and an index, which fit; the coalesced copy
+  //   and weighted-sum work and stream::wait's captured event do not), and a node of the
+  //   stream's deque every few tasks. That is a few small allocations per device per step,
+  //   independent of the model's size (the per-parameter work is one task per device);
+  //   pooling them would mean reworking host::stream's task and event types;
+  // - the scatter policy's shard sizes (scatter_policy returns a std::vector, a public
+  //   contract), and the gathered result, which is returned to the caller;
+  // - error-message strings that core helpers (batch_size, partition, tensor_view) build
+  //   before checking; whatever the model's parameters()/gradients()/buffers() allocate to
+  //   return their ranges; and the step function itself.
   template <class out_type, class shard_type, class B, class F>
   auto run_step(B const& batch, F& step_fn) {
     constexpr bool returns_value = !std::is_void_v<out_type>;
@@ -280,8 +327,35 @@ class parallel {
     started_.resize(rs_.size());
     ended_.resize(rs_.size());
     auto const planned = profile_clock::now();
-    std::vector<slot_type> outs(rs_.size());
-    std::vector<step_context> ctx(rs_.size());
+    // The output slots and the step contexts are members reused step after step; the slots are
+    // emptied when the step ends (after the streams drained, whether it returns or throws).
+    struct step_scratch {
+      std::vector<slot_type> outs;  // per device
+      std::vector<std::conditional_t<returns_value, out_type, char>> done;  // handed to the gather policy
+    };
+    step_scratch* scratch = nullptr;
+    if constexpr (returns_value) {
+      scratch = &scratch_.get<step_scratch>();
+      scratch->outs.resize(rs_.size());
+    }
+    ctx_.resize(rs_.size());
+    struct slots_guard {
+      step_scratch* s;
+      ~slots_guard() {
+        if constexpr (returns_value) {
+          for (auto& o : s->outs) o.reset();
+          s->done.clear();
+        }
+      }
+    } const empty_slots{scratch};
+    // What each device's work reads; the work captures a pointer to it and its device index,
+    // which std::function holds without allocating.
+    struct frame {
+      parallel* self;
+      B const* batch;
+      F* step_fn;
+      step_scratch* scratch;
+    } const fr{this, &batch, &step_fn, scratch};
     sync_guard guard{this};
     replicate_.before_step(rs_);
     reduce_.begin_step(rs_);
@@ -295,19 +369,23 @@ class parallel {
       info.batch = rs_.batch;
       info.rank = rs_.rank();
       info.world_size = rs_.world_size();
-      ctx[i] = step_context(info, &parallel::ready_trampoline, this);
-      rs_.compute_done[i] = rs_.streams[i]->enqueue([&, i] {
-        auto shard = slice_batch(batch, rs_.shard_offsets[i], rs_.shard_offsets[i] + rs_.shard_sizes[i]);
-        Model& m = *rs_.models[i];
-        started_[i] = profile_clock::now();
+      ctx_[i] = step_context(info, &parallel::ready_trampoline, this);
+      rs_.compute_done[i] = rs_.streams[i]->enqueue([f = &fr, i] {
+        parallel& self = *f->self;
+        F& step_fn = *f->step_fn;
+        auto shard =
+            slice_batch(*f->batch, self.rs_.shard_offsets[i], self.rs_.shard_offsets[i] + self.rs_.shard_sizes[i]);
+        Model& m = *self.rs_.models[i];
+        self.started_[i] = profile_clock::now();
         if constexpr (returns_value) {
-          if constexpr (detail::step_with_context<F, Model, shard_type>) outs[i].emplace(step_fn(m, std::move(shard), ctx[i]));
-          else outs[i].emplace(step_fn(m, std::move(shard)));
+          auto& out = f->scratch->outs[i];
+          if constexpr (detail::step_with_context<F, Model, shard_type>) out.emplace(step_fn(m, std::move(shard), self.ctx_[i]));
+          else out.emplace(step_fn(m, std::move(shard)));
         } else {
-          if constexpr (detail::step_with_context<F, Model, shard_type>) step_fn(m, std::move(shard), ctx[i]);
+          if constexpr (detail::step_with_context<F, Model, shard_type>) step_fn(m, std::move(shard), self.ctx_[i]);
           else step_fn(m, std::move(shard));
         }
-        ended_[i] = profile_clock::now();
+        self.ended_[i] = profile_clock::now();
       });
     }
     reduce_.finish(rs_);
@@ -315,10 +393,11 @@ class parallel {
     synchronize();
     auto const drained = profile_clock::now();
     if constexpr (returns_value) {
-      std::vector<out_type> done;
-      done.reserve(rs_.size());
+      auto& done = scratch->done;
+      done.clear();
+      done.reserve(rs_.size());  // allocates only when the last gather took the storage (arithmetic outputs)
       for (std::size_t i = 0; i < rs_.size(); ++i)
-        if (rs_.active(i)) done.push_back(std::move(*outs[i]));
+        if (rs_.active(i)) done.push_back(std::move(*scratch->outs[i]));
       auto result = gather_type::gather(std::move(done), rs_);
       record_profile(waited, entered, planned, drained);
       return result;
@@ -390,11 +469,14 @@ class parallel {
     }
   };
 
+  // Checks on the per-step path build their message only when they fail.
   void plan(std::size_t total) {
-    detail::require(total > 0, "step: expected a batch of at least one sample, found an empty batch");
+    if (total == 0)
+      throw invalid_argument("dparallel: step: expected a batch of at least one sample, found an empty batch");
     auto sizes = scatter_.shard_sizes(total, rs_.size(), rs_.opts);
-    detail::require(sizes.size() <= rs_.size(), "step: the scatter policy returned " + std::to_string(sizes.size()) +
-                                                    " shards for " + std::to_string(rs_.size()) + " devices");
+    if (sizes.size() > rs_.size())
+      throw invalid_argument("dparallel: step: the scatter policy returned " + std::to_string(sizes.size()) +
+                             " shards for " + std::to_string(rs_.size()) + " devices");
     sizes.resize(rs_.size(), 0);
     rs_.batch = total;
     rs_.shard_sizes = std::move(sizes);
@@ -404,8 +486,9 @@ class parallel {
       rs_.shard_offsets[i] = off;
       off += rs_.shard_sizes[i];
     }
-    detail::require(off == total, "step: the scatter policy's shard sizes sum to " + std::to_string(off) +
-                                      ", expected the batch size " + std::to_string(total));
+    if (off != total)
+      throw invalid_argument("dparallel: step: the scatter policy's shard sizes sum to " + std::to_string(off) +
+                             ", expected the batch size " + std::to_string(total));
   }
 
   // Waits for every stream; rethrows the first error in device order.
@@ -458,6 +541,10 @@ class parallel {
   replicate_type replicate_{};
   reduce_type reduce_{};
   scatter_type scatter_{};
+  // Per-step scratch kept across steps: each device's step_context, and the output slots (their
+  // type depends on the step function's output, see run_step).
+  std::vector<step_context> ctx_;
+  detail::typed_scratch scratch_;
   // Diagnostics: each device's step function start and end (written on its stream), the profile.
   std::vector<profile_clock::time_point> started_, ended_;
   step_profile last_profile_;

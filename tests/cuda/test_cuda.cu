@@ -11,6 +11,7 @@
 #include <dparallel/dparallel.hpp>
 #ifdef DPARALLEL_TEST_NCCL
 #include <dparallel/comm/nccl.hpp>
+#include <dparallel/policy/nccl.hpp>
 #endif
 
 #include <catch2/catch.hpp>
@@ -186,6 +187,15 @@ TEST_CASE("CUDA bad input: views on the wrong device, ordinals beyond the count"
 }
 
 #ifdef DPARALLEL_TEST_NCCL
+TEST_CASE("CUDA DP with NCCL broadcast/reduce (distinct GPUs; lanes of one GPU fall back) gives the one-device gradient",
+          "[cuda][nccl][dp][contract]") {
+  for (int n = 1; n <= 4; ++n)
+    for (std::size_t b : {std::size_t{1}, std::size_t{7}, std::size_t{64}}) {
+      test::check_same_gradients<gpu, double, dpl::nccl::dp>(n, b, false);
+      test::check_same_gradients<gpu, float, dpl::nccl::dp>(n, b, false);
+    }
+}
+
 TEST_CASE("CUDA DDP over NCCL thread ranks equals one device on the global batch", "[cuda][nccl][ddp]") {
   int const world = dpl::cuda::device_count();
   if (world < 2) {

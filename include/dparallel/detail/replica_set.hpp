@@ -50,15 +50,25 @@ struct replica_set {
     return static_cast<double>(shard_sizes[i]) / static_cast<double>(batch);
   }
 
+  /// Re-reads every model's tensors. The lists are refilled in place, so a step whose models have
+  /// as many tensors as before allocates nothing here (the model's own parameters() and friends
+  /// may still allocate the range they return: that is the model's choice).
   void refresh_views() {
     params.resize(size());
     grads.resize(size());
     bufs.resize(size());
     for (std::size_t i = 0; i < size(); ++i) {
-      params[i] = parameter_refs(*models[i]);
-      grads[i] = gradient_refs(*models[i]);
-      bufs[i] = buffer_refs(*models[i]);
+      assign_refs(params[i], dparallel::parameters(*models[i]));
+      assign_refs(grads[i], dparallel::gradients(*models[i]));
+      assign_refs(bufs[i], dparallel::buffers(*models[i]));
     }
+  }
+
+ private:
+  template <class Range>
+  static void assign_refs(std::vector<tensor_ref>& out, Range&& tensors) {
+    out.clear();
+    for (auto&& t : tensors) out.emplace_back(t);
   }
 };
 

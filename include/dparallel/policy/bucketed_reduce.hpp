@@ -66,12 +66,15 @@ class bucketed_reduce {
     verify_plan(s);
   }
 
+  // The per-step members below are refilled in place (assign, clear): after the first step's
+  // rebuild a step allocates no bucket memory and no bookkeeping. Checks on the per-step path
+  // build their message only when they fail.
   template <class Set>
   void begin_step(Set& s) {
     std::size_t const n = s.params[0].size();
-    detail::require(n == counts_.size(), "DDP: the model has " + std::to_string(n) +
-                                             " parameters now, expected the " + std::to_string(counts_.size()) +
-                                             " it had when the wrapper was built");
+    if (n != counts_.size())
+      throw invalid_argument("dparallel: DDP: the model has " + std::to_string(n) + " parameters now, expected the " +
+                             std::to_string(counts_.size()) + " it had when the wrapper was built");
     if (view_) check_views(s);
     ready_.assign(n, false);
     seen_order_.clear();
@@ -84,11 +87,12 @@ class bucketed_reduce {
 
   template <class Set>
   void grad_ready(Set& s, int, std::size_t i) {
-    detail::require(i < ready_.size(), "grad_ready: expected a parameter index below " +
-                                           std::to_string(ready_.size()) + ", found " + std::to_string(i));
-    detail::require(!ready_[i], "grad_ready: parameter " + std::to_string(i) +
-                                    " was marked ready twice in one step (rank " + std::to_string(s.group.rank()) +
-                                    ")");
+    if (i >= ready_.size())
+      throw invalid_argument("dparallel: grad_ready: expected a parameter index below " +
+                             std::to_string(ready_.size()) + ", found " + std::to_string(i));
+    if (ready_[i])
+      throw invalid_argument("dparallel: grad_ready: parameter " + std::to_string(i) +
+                             " was marked ready twice in one step (rank " + std::to_string(s.group.rank()) + ")");
     used_hook_ = true;
     mark(s, i, false);
   }
@@ -114,9 +118,13 @@ class bucketed_reduce {
                         std::to_string(s.opts.bucket_cap_mb) + " and " + std::to_string(s.opts.first_bucket_cap_mb));
     buckets_ = plan_buckets(counts_, dtypes, order, mib(s.opts.first_bucket_cap_mb), mib(s.opts.bucket_cap_mb));
     index_buckets();
+    bool const had_accum = !accum_.empty();
     storage_.clear();
     accum_.clear();
     for (auto const& b : buckets_) storage_.push_back(backend::allocate(s.devices[0], b.elements * size_of(b.dtype)));
+    // A rebuild (after a synchronised step: nothing is accumulated) lays the no_sync storage out
+    // anew at once when it was in use, so the steps after the rebuild allocate nothing.
+    if (had_accum) allocate_accum(s);
   }
 
   static std::size_t mib(double m) { return static_cast<std::size_t>(std::llround(m * 1024.0 * 1024.0)); }
@@ -344,7 +352,8 @@ class bucketed_reduce {
     using ops = typename Set::backend_type::immediate;
     std::size_t const n = ready_.size();
     if (used_hook_) {
-      std::vector<std::size_t> unused;
+      auto& unused = unused_;
+      unused.clear();
       for (std::size_t i = 0; i < n; ++i)
         if (!ready_[i]) unused.push_back(i);
       if (!unused.empty() && !s.opts.find_unused_parameters) {
@@ -391,6 +400,7 @@ class bucketed_reduce {
   std::vector<bucket_spec> buckets_;
   std::vector<std::size_t> counts_, bucket_of_, slot_of_, pending_, seen_order_;
   std::vector<std::size_t> base_slot_;  // view mode: the slot of each bucket's lowest gradient
+  std::vector<std::size_t> unused_;     // finalize: the parameters not marked ready this step
   std::vector<bool> ready_;
   std::vector<std::shared_ptr<std::byte>> storage_, accum_;  // from Backend::allocate
   std::vector<work> works_;

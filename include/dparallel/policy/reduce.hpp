@@ -6,6 +6,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <span>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -21,6 +22,14 @@ concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_
   p.finish(s);
 };
 
+namespace detail {
+/// Backends with the borrowed form of weighted_sum (host::backend): several sums over lists the
+/// caller keeps, as one piece of work.
+template <class Backend>
+concept borrowed_weighted_sum = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t,
+                                         std::span<double const> w) { Backend::weighted_sum(s, t, t, w); };
+}  // namespace detail
+
 namespace policy {
 
 /// DataParallel: the master's gradient becomes sum_i w_i * g_i over the replicas that received a
@@ -31,6 +40,9 @@ namespace policy {
 /// so the reduction runs on all those devices at once (the sum of each element is the same
 /// expression whichever device computes it: the same bits as one device doing it all). The
 /// master's stream then waits for every slice.
+/// On a backend with the borrowed weighted_sum (host::backend) each device's slices are one piece
+/// of work over lists the policy keeps as members, refilled in place: a steady-state step
+/// allocates no list (the stream's work and events still do; see parallel::run_step).
 struct reduce_to_master {
   template <class Set>
   void on_construct(Set&) {}
@@ -42,30 +54,58 @@ struct reduce_to_master {
   template <class Set>
   void finish(Set& s) {
     using backend = typename Set::backend_type;
-    std::vector<std::size_t> active;
-    std::vector<double> w;
+    constexpr bool borrowed = detail::borrowed_weighted_sum<backend>;
+    active_.clear();
+    w_.clear();
     for (std::size_t i = 0; i < s.size(); ++i) {
       if (!s.active(i)) continue;
-      active.push_back(i);
-      w.push_back(s.weight(i));
+      active_.push_back(i);
+      w_.push_back(s.weight(i));
     }
-    std::size_t const m = active.size();
+    std::size_t const m = active_.size();
+    if constexpr (borrowed) {
+      // Read by the sums until they complete: the step drains every stream before it returns
+      // (or throws), so the next step may refill them. Sized before the first enqueue.
+      if (dst_.size() < m) dst_.resize(m);
+      if (src_.size() < m) src_.resize(m);
+    }
     for (std::size_t k = 0; k < m; ++k) {
-      auto& stream = *s.streams[active[k]];
-      for (std::size_t j : active)
-        if (j != active[k]) stream.wait(s.compute_done[j]);
+      auto& stream = *s.streams[active_[k]];
+      for (std::size_t j : active_)
+        if (j != active_[k]) stream.wait(s.compute_done[j]);
+      if constexpr (borrowed) {
+        dst_[k].clear();
+        src_[k].clear();
+      }
       for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
         std::size_t const n = s.grads[0][p].size();
         std::size_t const lo = n * k / m, hi = n * (k + 1) / m;
         if (lo == hi) continue;
-        std::vector<tensor_ref> src;
-        src.reserve(m);
-        for (std::size_t i : active) src.push_back(s.grads[i][p].subview(lo, hi - lo));
-        backend::weighted_sum(stream, s.grads[0][p].subview(lo, hi - lo), std::move(src), w);
+        if constexpr (borrowed) {
+          dst_[k].push_back(s.grads[0][p].subview(lo, hi - lo));
+          for (std::size_t i : active_) src_[k].push_back(s.grads[i][p].subview(lo, hi - lo));
+        } else {
+          std::vector<tensor_ref> src;
+          src.reserve(m);
+          for (std::size_t i : active_) src.push_back(s.grads[i][p].subview(lo, hi - lo));
+          backend::weighted_sum(stream, s.grads[0][p].subview(lo, hi - lo), std::move(src), w_);
+        }
       }
-      if (active[k] != 0) s.streams[0]->wait(stream.record());
+      if constexpr (borrowed) {
+        if (!dst_[k].empty())
+          backend::weighted_sum(stream, std::span<tensor_ref const>(dst_[k]), std::span<tensor_ref const>(src_[k]),
+                                std::span<double const>(w_));
+      }
+      if (active_[k] != 0) s.streams[0]->wait(stream.record());
     }
   }
+
+ private:
+  std::vector<std::size_t> active_;  // the devices that ran a shard this step
+  std::vector<double> w_;            // their shard weights
+  // Borrowed lists, per active device k: its slice of every gradient on the master, and the
+  // same slice on every active device (m per gradient).
+  std::vector<std::vector<tensor_ref>> dst_, src_;
 };
 static_assert(reduce_policy<reduce_to_master>);
 
@@ -75,11 +115,16 @@ static_assert(reduce_policy<reduce_to_master>);
 struct all_reduce_replicas : reduce_to_master {
   template <class Set>
   void finish(Set& s) {
+    using backend = typename Set::backend_type;
     reduce_to_master::finish(s);
     auto const reduced = s.streams[0]->record();
     for (std::size_t i = 1; i < s.size(); ++i) {
       s.streams[i]->wait(reduced);
-      Set::backend_type::copy_all(*s.streams[i], s.grads[i], s.grads[0]);
+      if constexpr (detail::borrowed_copy_all<backend>)  // s.grads is refreshed only between steps
+        backend::copy_all(*s.streams[i], std::span<tensor_ref const>(s.grads[i]),
+                          std::span<tensor_ref const>(s.grads[0]));
+      else
+        backend::copy_all(*s.streams[i], s.grads[i], s.grads[0]);
     }
   }
 };

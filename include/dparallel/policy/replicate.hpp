@@ -9,6 +9,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,20 @@ struct archetype_backend {
   struct event_type {};
 };
 using archetype_set = replica_set<archetype_model, archetype_backend>;
+
+/// Backends with the borrowed form of copy_all (host::backend): the policies pass it lists they
+/// keep as members instead of building new vectors every step.
+template <class Backend>
+concept borrowed_copy_all = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t) {
+  Backend::copy_all(s, t, t);
+};
+
+/// `out` = `a` followed by `b`, reusing out's storage.
+inline void assign_joined(std::vector<tensor_ref>& out, std::vector<tensor_ref> const& a,
+                          std::vector<tensor_ref> const& b) {
+  out.assign(a.begin(), a.end());
+  out.insert(out.end(), b.begin(), b.end());
+}
 }  // namespace detail
 
 /// A replicate policy is told when the wrapper is built and before each step's compute.
@@ -40,6 +55,8 @@ namespace policy {
 /// that receives a shard. All tensors of a replica travel as one piece of work on its stream, and
 /// the replicas persist between steps. The master's own step waits for these copies, so a step
 /// function may update the master's buffers (running statistics) without racing them.
+/// On a backend with the borrowed copy_all the tensor lists are members, refilled in place: a
+/// steady-state step allocates no list (the stream's work and events still do; see run_step).
 struct replicate_each_step {
   template <class Set>
   void on_construct(Set&) {}
@@ -48,15 +65,32 @@ struct replicate_each_step {
   void before_step(Set& s) {
     using backend = typename Set::backend_type;
     auto const master_ready = s.streams[0]->record();
+    if constexpr (detail::borrowed_copy_all<backend>) {
+      // Read by the copies until they complete: the step drains every stream before it returns
+      // (or throws), so the next step may refill them.
+      detail::assign_joined(src_, s.params[0], s.bufs[0]);
+      if (dst_.size() < s.size()) dst_.resize(s.size());
+    }
     for (std::size_t i = 1; i < s.size(); ++i) {
       if (!s.active(i)) continue;
-      std::vector<tensor_ref> dst = s.params[i], src = s.params[0];
-      dst.insert(dst.end(), s.bufs[i].begin(), s.bufs[i].end());
-      src.insert(src.end(), s.bufs[0].begin(), s.bufs[0].end());
-      s.streams[i]->wait(master_ready);
-      s.streams[0]->wait(backend::copy_all(*s.streams[i], std::move(dst), std::move(src)));
+      if constexpr (detail::borrowed_copy_all<backend>) {
+        detail::assign_joined(dst_[i], s.params[i], s.bufs[i]);
+        s.streams[i]->wait(master_ready);
+        s.streams[0]->wait(backend::copy_all(*s.streams[i], std::span<tensor_ref const>(dst_[i]),
+                                             std::span<tensor_ref const>(src_)));
+      } else {
+        std::vector<tensor_ref> dst, src;
+        detail::assign_joined(dst, s.params[i], s.bufs[i]);
+        detail::assign_joined(src, s.params[0], s.bufs[0]);
+        s.streams[i]->wait(master_ready);
+        s.streams[0]->wait(backend::copy_all(*s.streams[i], std::move(dst), std::move(src)));
+      }
     }
   }
+
+ private:
+  std::vector<tensor_ref> src_;                // the master's parameters, then its buffers
+  std::vector<std::vector<tensor_ref>> dst_;   // per device: its replica's, in the same order
 };
 static_assert(replicate_policy<replicate_each_step>);
 

@@ -79,6 +79,35 @@ struct backend {
   static event weighted_sum(stream_type& s, tensor_ref dst, std::vector<tensor_ref> srcs, std::vector<double> w) {
     return s.enqueue([=, srcs = std::move(srcs), w = std::move(w)] { host::weighted_sum(dst, srcs, w); });
   }
+
+  // Borrowed forms, for the policies' steady state: the lists are read when the work runs, not
+  // copied, so the caller keeps them alive and unchanged until the returned event completes (the
+  // policies hold them as members, and every step ends by draining the streams). They do what
+  // the forms above do without allocating the lists each step. They are overloads of the same
+  // names on purpose: a backend derived from this one that replaces copy_all or weighted_sum
+  // hides them too, and the policies then fall back to calling its replacement.
+
+  /// copy_all over borrowed lists: dst[i] = src[i] for each i, as one piece of work.
+  static event copy_all(stream_type& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> src) {
+    if (dst.size() != src.size())
+      throw invalid_argument("dparallel: host::backend::copy_all: expected as many destinations as sources, found " +
+                             std::to_string(dst.size()) + " and " + std::to_string(src.size()));
+    return s.enqueue([dst, src] {
+      for (std::size_t i = 0; i < dst.size(); ++i) host::copy(dst[i], src[i]);
+    });
+  }
+  /// Several weighted sums over borrowed lists, in order, as one piece of work: for each
+  /// j < dst.size(), dst[j] = sum_k w[k] * srcs[j * w.size() + k] (host::weighted_sum's order).
+  static event weighted_sum(stream_type& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
+                            std::span<double const> w) {
+    if (srcs.size() != dst.size() * w.size())
+      throw invalid_argument("dparallel: host::backend::weighted_sum: expected " + std::to_string(w.size()) +
+                             " sources (one per weight) for each of the " + std::to_string(dst.size()) +
+                             " destinations, found " + std::to_string(srcs.size()) + " sources");
+    return s.enqueue([dst, srcs, w] {
+      for (std::size_t j = 0; j < dst.size(); ++j) host::weighted_sum(dst[j], srcs.subspan(j * w.size(), w.size()), w);
+    });
+  }
 };
 
 }  // namespace host
