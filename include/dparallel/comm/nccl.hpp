@@ -121,6 +121,7 @@ class communicator {
     }
     cv_.notify_all();
     poller_.join();
+    finish_abort();
     cuda::device_guard g(dev_.index);
     if (!aborted_) (void)ncclCommDestroy(comm_);
     (void)cudaStreamDestroy(stream_);
@@ -183,9 +184,12 @@ class communicator {
   /// Aborts the communicator (ncclCommAbort): every pending and later work of this rank fails with
   /// a comm_error naming this rank and `why`; the peers' collectives fail at their timeout.
   void abort(std::string why) {
-    std::lock_guard lock(m_);
-    fail_locked(std::make_exception_ptr(
-        comm_error(rank_, "dparallel: NCCL rank " + std::to_string(rank_) + " aborted: " + why)));
+    {
+      std::lock_guard lock(m_);
+      fail_locked(std::make_exception_ptr(
+          comm_error(rank_, "dparallel: NCCL rank " + std::to_string(rank_) + " aborted: " + why)));
+    }
+    finish_abort();
   }
 
   /// Blocks until every collective issued so far has finished (successfully or not).
@@ -303,12 +307,13 @@ class communicator {
         : pinned_in(in_bytes), pinned_out(out_bytes), dev_in(in_bytes, d, s), dev_out(out_bytes, d, s) {}
   };
 
-  // Fails every pending collective and all later ones with `e`; aborts the NCCL communicator.
+  // Fails every pending collective and all later ones with `e` (m_ held); the NCCL communicator
+  // is aborted by finish_abort(), which the caller runs after releasing m_.
   void fail_locked(std::exception_ptr e) {
     if (!failure_) failure_ = std::move(e);
     if (!aborted_) {
       aborted_ = true;
-      (void)ncclCommAbort(comm_);
+      abort_pending_ = true;
     }
     for (auto& op : pending_) {
       op.promise.complete(failure_);
@@ -317,6 +322,18 @@ class communicator {
     }
     pending_.clear();
     idle_.notify_all();
+  }
+
+  // ncclCommAbort once, never while a launch is inside an NCCL call on this communicator
+  // (issue_m_ serialises them; the lock order is issue_m_, then m_).
+  void finish_abort() {
+    std::lock_guard issue(issue_m_);
+    bool run = false;
+    {
+      std::lock_guard lock(m_);
+      run = std::exchange(abort_pending_, false);
+    }
+    if (run) (void)ncclCommAbort(comm_);
   }
 
   void poll() {
@@ -334,6 +351,9 @@ class communicator {
         fail_locked(std::make_exception_ptr(comm_error(rank_, std::string("dparallel: NCCL on rank ") +
                                                                   std::to_string(rank_) + ": " + ncclGetErrorString(async) +
                                                                   " while running " + pending_.front().what)));
+        lock.unlock();
+        finish_abort();
+        lock.lock();
         continue;
       }
       auto& op = pending_.front();
@@ -356,6 +376,11 @@ class communicator {
                        " did not complete within " + std::to_string(timeout_.count()) +
                        " ms: a peer did not join (dead, hung, or issuing other collectives)")));
       }
+      if (abort_pending_) {
+        lock.unlock();
+        finish_abort();
+        lock.lock();
+      }
     }
   }
 
@@ -371,6 +396,7 @@ class communicator {
   std::deque<pending_op> pending_;
   std::exception_ptr failure_;
   bool aborted_ = false;
+  bool abort_pending_ = false;  // ncclCommAbort still to run (finish_abort)
   bool stopping_ = false;
   std::atomic<std::uint64_t> completed_{0};
   std::thread poller_;  // last: starts after the other members exist
