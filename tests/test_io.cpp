@@ -1,6 +1,7 @@
 // State dicts in safetensors: round trips, names, wrappers, strict loading, malformed files
 // (hand-made and fuzzed), atomic writes.
 #include "models.hpp"
+#include "scratch.hpp"
 
 #include <dparallel/dparallel.hpp>
 #include <dparallel/io/checkpoint.hpp>
@@ -117,26 +118,7 @@ struct dparallel::model_traits<foreign_net> {
 
 namespace {
 
-/// This process's directory under the system's temporary directory, removed at exit.
-fs::path const& scratch_root() {
-  struct root {
-    fs::path path = fs::temp_directory_path() / ("dparallel_test_io_" + std::to_string(::getpid()));
-    ~root() {
-      std::error_code ec;
-      fs::remove_all(path, ec);
-    }
-  };
-  static root const r;
-  return r.path;
-}
-
-/// A fresh, empty directory for one test.
-fs::path scratch(std::string const& name) {
-  fs::path const dir = scratch_root() / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+fs::path scratch(std::string const& name) { return test::scratch_dir("test_io", name); }
 
 std::vector<char> bytes_of(fs::path const& p) {
   std::ifstream in(p, std::ios::binary);

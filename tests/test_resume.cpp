@@ -3,6 +3,7 @@
 // momentum, a warmup learning rate, a shuffling sampler). Also: the checkpoint's own contract
 // and the learning-rate helpers.
 #include "models.hpp"
+#include "scratch.hpp"
 
 #include <dparallel/dparallel.hpp>
 #include <dparallel/io/checkpoint.hpp>
@@ -28,25 +29,7 @@ using model = test::chunked<float>;
 
 namespace {
 
-/// This process's directory under the system's temporary directory, removed at exit.
-fs::path const& scratch_root() {
-  struct root {
-    fs::path path = fs::temp_directory_path() / ("dparallel_test_resume_" + std::to_string(::getpid()));
-    ~root() {
-      std::error_code ec;
-      fs::remove_all(path, ec);
-    }
-  };
-  static root const r;
-  return r.path;
-}
-
-fs::path scratch(std::string const& name) {
-  fs::path const dir = scratch_root() / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+fs::path scratch(std::string const& name) { return test::scratch_dir("test_resume", name); }
 
 std::vector<std::size_t> const sizes = {3, 5, 1, 8, 2, 4};
 constexpr std::uint64_t seed = 1234;

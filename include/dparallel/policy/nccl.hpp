@@ -65,8 +65,19 @@ inline bool distinct_gpus(std::vector<device> const& devs) {
   return true;
 }
 
-/// Throws comm_error when a grouped NCCL launch failed (ncclGroupEnd reports the group's errors).
-inline void group_end(char const* what) { check(ncclGroupEnd(), what, 0); }
+/// Runs `launch()` (NCCL calls) between ncclGroupStart and ncclGroupEnd; the group is closed also
+/// when a call throws. A failed group is a comm_error naming `what`.
+template <class F>
+void in_group(char const* what, F&& launch) {
+  check(ncclGroupStart(), "ncclGroupStart", 0);
+  try {
+    launch();
+  } catch (...) {
+    (void)ncclGroupEnd();
+    throw;
+  }
+  check(ncclGroupEnd(), what, 0);
+}
 
 template <class Set>
 constexpr void require_cuda() {
@@ -96,8 +107,7 @@ struct broadcast_replicate {
     // One thread (stream 0's) launches the whole group, each call on its device's stream; the
     // other streams wait for the launch before they launch anything after it.
     auto const launched = s.streams[0]->enqueue([&s, c = comms] {
-      check(ncclGroupStart(), "ncclGroupStart", 0);
-      try {
+      dp_detail::in_group("ncclGroupEnd (replicate)", [&] {
         for (std::size_t i = 0; i < s.size(); ++i) {
           auto const& params = s.params[i];
           auto const& bufs = s.bufs[i];
@@ -110,11 +120,7 @@ struct broadcast_replicate {
                   "ncclBroadcast", static_cast<int>(i));
           }
         }
-      } catch (...) {
-        (void)ncclGroupEnd();
-        throw;
-      }
-      dp_detail::group_end("ncclGroupEnd (replicate)");
+      });
     });
     for (std::size_t i = 1; i < s.size(); ++i) s.streams[i]->wait(launched);
   }
@@ -156,8 +162,7 @@ struct weighted_reduce {
     }
     for (std::size_t i = 1; i < s.size(); ++i) s.streams[0]->wait(weighted[i]);
     auto const launched = s.streams[0]->enqueue([&s, c = comms] {
-      check(ncclGroupStart(), "ncclGroupStart", 0);
-      try {
+      dp_detail::in_group("ncclGroupEnd (reduce)", [&] {
         for (std::size_t i = 0; i < s.size(); ++i)
           for (auto const& g : s.grads[i]) {
             if (g.size() == 0) continue;
@@ -165,11 +170,7 @@ struct weighted_reduce {
                              s.streams[i]->native()),
                   "ncclReduce", static_cast<int>(i));
           }
-      } catch (...) {
-        (void)ncclGroupEnd();
-        throw;
-      }
-      dp_detail::group_end("ncclGroupEnd (reduce)");
+      });
     });
     for (std::size_t i = 1; i < s.size(); ++i) s.streams[i]->wait(launched);
   }
