@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <stdexcept>
 #include <thread>
@@ -113,6 +114,78 @@ TEST_CASE("host kernels: copy, scale, add_scaled, weighted_sum", "[host][kernels
   CHECK_THROWS_AS(dp::host::copy(dp::view(shortv), dp::view(a)), dp::invalid_argument);
   std::vector<std::int32_t> ints(3);
   CHECK_THROWS_WITH(dp::host::scale(dp::view(ints), 2.0), Catch::Contains("reduces F32 and F64, found I32"));
+}
+
+namespace {
+// weighted_sum's documented order for one element: terms w_k * s_k merged as a balanced binary
+// tree built left to right, the uneven rest folded right to left.
+template <class T>
+T pairwise_reference(std::vector<T> const& terms) {
+  std::vector<T> stack;
+  std::vector<std::size_t> count;
+  for (T t : terms) {
+    stack.push_back(t);
+    count.push_back(1);
+    while (stack.size() >= 2 && count[count.size() - 1] == count[count.size() - 2]) {
+      stack[stack.size() - 2] += stack.back();
+      count[count.size() - 2] *= 2;
+      stack.pop_back();
+      count.pop_back();
+    }
+  }
+  while (stack.size() >= 2) {
+    stack[stack.size() - 2] += stack.back();
+    stack.pop_back();
+  }
+  return stack[0];
+}
+
+template <class T>
+void check_weighted_sum_lengths() {
+  // Lengths around the kernel's tile (256) and block (16) sizes, at every offset into the arrays
+  // (misaligned starts), with 1..9 sources: every element is the reference expression, bitwise.
+  std::uint64_t seed = 99;
+  auto next = [&] {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<T>(static_cast<double>(seed >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  };
+  for (std::size_t sources : {1u, 2u, 3u, 5u, 9u}) {
+    for (std::size_t n : {1u, 15u, 16u, 17u, 255u, 256u, 257u, 272u, 529u, 1000u}) {
+      std::size_t const offset = n % 3;
+      std::vector<std::vector<T>> data(sources, std::vector<T>(n + offset));
+      for (auto& v : data)
+        for (auto& x : v) x = next();
+      std::vector<double> w;
+      for (std::size_t k = 0; k < sources; ++k) w.push_back(static_cast<double>(next()));
+      std::vector<dp::tensor_ref> srcs;
+      for (auto& v : data) srcs.push_back(dp::tensor_view<T>(v.data() + offset, n));
+      std::vector<T> out(n + 1);
+      dp::host::weighted_sum(dp::tensor_view<T>(out.data() + 1, n), srcs, w);
+      for (std::size_t i = 0; i < n; ++i) {
+        std::vector<T> terms;
+        for (std::size_t k = 0; k < sources; ++k) terms.push_back(static_cast<T>(w[k]) * data[k][offset + i]);
+        REQUIRE(out[1 + i] == pairwise_reference(terms));
+      }
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("host weighted_sum: the documented pairwise order at every length and alignment", "[host][kernels]") {
+  check_weighted_sum_lengths<float>();
+  check_weighted_sum_lengths<double>();
+}
+
+TEST_CASE("the spin budget follows DPARALLEL_SPIN_US", "[host][spin]") {
+  // CTest runs this suite twice: without the variable (20 us) and with DPARALLEL_SPIN_US=0.
+  char const* env = std::getenv("DPARALLEL_SPIN_US");
+  auto const expected = env == nullptr ? std::chrono::microseconds(20) : std::chrono::microseconds(std::atol(env));
+  CHECK(dp::detail::spin_budget() == expected);
+  // Spinning reports whether the condition came true; a condition that never does ends it.
+  CHECK(dp::detail::spin_until([] { return true; }));
+  int polls = 0;
+  CHECK(dp::detail::spin_until([&] { return ++polls == 3 || expected.count() == 0; }));
+  CHECK_FALSE(dp::detail::spin_until([] { return false; }));
 }
 
 TEST_CASE("host::devices validates its count", "[host]") {

@@ -28,6 +28,7 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/spin.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <atomic>
@@ -185,6 +186,7 @@ class communicator {
                                                " after it was closed (its spawn function returned)");
       queue_.push_back(task{next_seq_++, c, a, b, timeout(), std::move(p)});
       ++pending_;
+      queued_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     return w;
@@ -253,12 +255,14 @@ class communicator {
   void run() {
     for (;;) {
       task t;
+      dparallel::detail::spin_until([&] { return queued_.load(std::memory_order_acquire) != 0; });
       {
         std::unique_lock lock(m_);
         cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopping and drained
         t = std::move(queue_.front());
         queue_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_relaxed);
       }
       std::exception_ptr failure;
       try {
@@ -285,6 +289,7 @@ class communicator {
   std::condition_variable cv_;
   std::condition_variable idle_;
   std::deque<task> queue_;
+  std::atomic<std::size_t> queued_{0};  // queue_.size(), readable without the mutex (for spinning)
   std::size_t pending_ = 0;  // queued or running
   std::uint64_t next_seq_ = 1;
   bool stopping_ = false;

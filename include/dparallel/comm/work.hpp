@@ -9,7 +9,9 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/spin.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -33,9 +35,7 @@ class work {
 
   /// True when the collective finished, successfully or not; never blocks for long.
   [[nodiscard]] bool ready() const {
-    if (!s_) return true;
-    std::lock_guard lock(s_->m);
-    return s_->done;
+    return !s_ || s_->finished.load(std::memory_order_acquire);
   }
 
   /// Blocks until the collective finished; rethrows its failure: a comm_error (or timeout_error)
@@ -48,6 +48,7 @@ class work {
   /// throwing it. Meant for clean-up paths (destructors) that must not throw.
   [[nodiscard]] std::exception_ptr wait_nothrow() const {
     if (!s_) return nullptr;
+    dparallel::detail::spin_until([&] { return s_->finished.load(std::memory_order_acquire); });
     std::unique_lock lock(s_->m);
     s_->cv.wait(lock, [&] { return s_->done; });
     switch (s_->kind) {
@@ -70,6 +71,7 @@ class work {
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
+    std::atomic<bool> finished{false};  // `done`, readable without the mutex (for spinning)
     failure_kind kind = failure_kind::none;
     int rank = -1;
     std::string what;
@@ -118,6 +120,7 @@ class work_promise {
       s_->rank = rank;
       s_->what = std::move(what);
       s_->error = std::move(error);
+      s_->finished.store(true, std::memory_order_release);
     }
     s_->cv.notify_all();
   }

@@ -12,7 +12,9 @@
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/spin.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -33,9 +35,7 @@ class event {
 
   /// True when the work finished (successfully or not).
   [[nodiscard]] bool ready() const {
-    if (!s_) return true;
-    std::lock_guard lock(s_->m);
-    return s_->done;
+    return !s_ || s_->finished.load(std::memory_order_acquire);
   }
   /// Blocks until the work finished; rethrows its error.
   void wait() const {
@@ -44,6 +44,7 @@ class event {
   /// Blocks until the work finished; returns its error (null on success).
   [[nodiscard]] std::exception_ptr wait_nothrow() const {
     if (!s_) return nullptr;
+    dparallel::detail::spin_until([&] { return s_->finished.load(std::memory_order_acquire); });
     std::unique_lock lock(s_->m);
     s_->cv.wait(lock, [&] { return s_->done; });
     return s_->error;
@@ -62,6 +63,7 @@ class event {
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
+    std::atomic<bool> finished{false};  // `done`, readable without the mutex (for spinning)
     std::exception_ptr error;
   };
   static event make() {
@@ -74,6 +76,7 @@ class event {
       std::lock_guard lock(s_->m);
       s_->done = true;
       s_->error = std::move(error);
+      s_->finished.store(true, std::memory_order_release);
     }
     s_->cv.notify_all();
   }
@@ -108,6 +111,8 @@ class stream {
       std::lock_guard lock(m_);
       queue_.push_back(task{std::function<void()>(std::forward<F>(fn)), done});
       ++pending_;
+      busy_.store(pending_, std::memory_order_relaxed);
+      queued_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     return done;
@@ -127,6 +132,7 @@ class stream {
   /// Blocks until the queue is drained; rethrows (and clears) the stream's sticky error.
   void synchronize() {
     std::exception_ptr e;
+    dparallel::detail::spin_until([&] { return busy_.load(std::memory_order_acquire) == 0; });
     {
       std::unique_lock lock(m_);
       idle_.wait(lock, [&] { return pending_ == 0; });
@@ -145,12 +151,14 @@ class stream {
     for (;;) {
       task t;
       std::exception_ptr sticky;
+      dparallel::detail::spin_until([&] { return queued_.load(std::memory_order_acquire) != 0; });
       {
         std::unique_lock lock(m_);
         cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopping and drained
         t = std::move(queue_.front());
         queue_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_relaxed);
         sticky = error_;
       }
       std::exception_ptr failure = sticky;
@@ -160,6 +168,7 @@ class stream {
         std::lock_guard lock(m_);
         if (failure && !error_) error_ = failure;
         --pending_;
+        busy_.store(pending_, std::memory_order_release);
         if (pending_ == 0) idle_.notify_all();
       }
     }
@@ -196,6 +205,9 @@ class stream {
   std::condition_variable idle_;
   std::deque<task> queue_;
   std::size_t pending_ = 0;
+  // Mirrors for spinning without the mutex: tasks in queue_, and pending_.
+  std::atomic<std::size_t> queued_{0};
+  std::atomic<std::size_t> busy_{0};
   bool stopping_ = false;
   std::exception_ptr error_;
   std::thread worker_;  // last: starts after every other member is constructed

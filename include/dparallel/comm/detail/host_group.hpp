@@ -32,10 +32,12 @@
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/spin.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -162,9 +164,9 @@ class host_group {
     bufs_[ur] = {a, b};
     auto const arrived = [&] { return all_reached(posted_, seq); };
     if (call.count * size_of(call.type) <= small_collective_bytes) return execute_small(lock, r, seq, call, timeout);
-    cv_.notify_all();
-    cv_.wait_until(lock, deadline_after(timeout),
-                   [&] { return failure_.has_value() || arrived() || first_closed_before(seq) >= 0; });
+    notify();
+    wait_until(lock, deadline_after(timeout),
+               [&] { return failure_.has_value() || arrived() || first_closed_before(seq) >= 0; });
     if (!failure_) {
       if (!arrived()) {
         fail_arrival(r, seq, call, timeout);
@@ -180,9 +182,9 @@ class host_group {
 
     // 4. depart
     departed_[ur] = seq;
-    cv_.notify_all();
+    notify();
     auto const departed = [&] { return all_reached(departed_, seq); };
-    cv_.wait_until(lock, deadline_after(timeout), [&] { return failure_.has_value() || departed(); });
+    wait_until(lock, deadline_after(timeout), [&] { return failure_.has_value() || departed(); });
     if (departed()) return nullptr;  // complete on every rank, even if the group failed meanwhile
     if (!failure_) fail_timeout(r, seq, call, timeout, departed_, false);
     return give_up(lock, r, seq, call);
@@ -201,7 +203,7 @@ class host_group {
       std::lock_guard lock(m_);
       closed_[static_cast<std::size_t>(rank)] = last_seq;
     }
-    cv_.notify_all();
+    notify();
   }
 
  private:
@@ -221,18 +223,18 @@ class host_group {
       if (failure_) return give_up(lock, r, seq, call);
       if (!compute_unlocked(lock, r, call, 0, n_)) return give_up(lock, r, seq, call);
       std::fill(departed_.begin(), departed_.end(), seq);
-      cv_.notify_all();
+      notify();
       return nullptr;
     }
     // Everyone else waits for the last one to finish: first for the peers to arrive, then (when
     // they all have) for the last one's computation, each with the timeout.
     auto const done = [&] { return departed_[ur] >= seq; };
     auto const arrived = [&] { return all_reached(posted_, seq); };
-    cv_.wait_until(lock, deadline_after(timeout),
-                   [&] { return failure_.has_value() || done() || first_closed_before(seq) >= 0; });
+    wait_until(lock, deadline_after(timeout),
+               [&] { return failure_.has_value() || done() || first_closed_before(seq) >= 0; });
     if (done()) return nullptr;
     if (!failure_ && arrived()) {
-      cv_.wait_until(lock, deadline_after(timeout), [&] { return failure_.has_value() || done(); });
+      wait_until(lock, deadline_after(timeout), [&] { return failure_.has_value() || done(); });
       if (done()) return nullptr;
       if (!failure_) fail_timeout(r, seq, call, timeout, departed_, false);
     }
@@ -262,6 +264,25 @@ class host_group {
     return false;
   }
 
+  // Wakes the waiters: every change of the shared state (made under the mutex) ends here.
+  void notify() {
+    epoch_.fetch_add(1, std::memory_order_release);
+    cv_.notify_all();
+  }
+
+  // cv_.wait_until(lock, deadline, pred), spinning first (without the mutex) while the state
+  // does not change, within the spin budget: a peer arriving soon is seen without a wake-up.
+  template <class Pred>
+  bool wait_until(std::unique_lock<std::mutex>& lock, clock::time_point deadline, Pred pred) {
+    if (pred()) return true;
+    auto const seen = epoch_.load(std::memory_order_relaxed);
+    lock.unlock();
+    bool const changed = spin_until([&] { return epoch_.load(std::memory_order_acquire) != seen; });
+    lock.lock();
+    if (changed && pred()) return true;
+    return cv_.wait_until(lock, deadline, pred);
+  }
+
   // Nobody failed the group, but not every rank arrived: a rank that closed, or a timeout.
   void fail_arrival(int r, std::uint64_t seq, comm_call const& call, std::chrono::milliseconds timeout) {
     int const j = first_closed_before(seq);
@@ -284,7 +305,7 @@ class host_group {
 
   void set_failure(int rank, bool timeout, std::string reason) {
     if (!failure_) failure_ = failure{rank, timeout, std::move(reason)};
-    cv_.notify_all();
+    notify();
   }
 
   void fail_timeout(int r, std::uint64_t seq, comm_call const& call, std::chrono::milliseconds timeout,
@@ -418,6 +439,7 @@ class host_group {
   std::vector<comm_call> calls_;
   std::vector<std::array<tensor_ref, 2>> bufs_;
   std::optional<failure> failure_;
+  std::atomic<std::uint64_t> epoch_{0};  // counts notify() calls (for spinning)
 };
 
 }  // namespace detail
