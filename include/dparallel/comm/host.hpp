@@ -181,9 +181,10 @@ class communicator {
     work w = p.get_work();
     {
       std::lock_guard lock(m_);
-      dparallel::detail::require(!closed_, "host::communicator: rank " + std::to_string(rank_) + " called " +
-                                               dparallel::detail::describe(c) +
-                                               " after it was closed (its spawn function returned)");
+      dparallel::detail::require(!closed_, [&] {
+        return "host::communicator: rank " + std::to_string(rank_) + " called " + dparallel::detail::describe(c) +
+               " after it was closed (its spawn function returned)";
+      });
       queue_.push_back(task{next_seq_++, c, a, b, timeout(), std::move(p)});
       ++pending_;
       queued_.fetch_add(1, std::memory_order_release);

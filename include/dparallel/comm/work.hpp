@@ -11,12 +11,9 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/spin.hpp>
 
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <typeinfo>
 #include <utility>
@@ -34,9 +31,7 @@ class work {
   work() = default;
 
   /// True when the collective finished, successfully or not; never blocks for long.
-  [[nodiscard]] bool ready() const {
-    return !s_ || s_->finished.load(std::memory_order_acquire);
-  }
+  [[nodiscard]] bool ready() const { return !s_ || s_->ready(); }
 
   /// Blocks until the collective finished; rethrows its failure: a comm_error (or timeout_error)
   /// whose rank() names the rank at fault. May be called any number of times, from any thread.
@@ -48,9 +43,7 @@ class work {
   /// throwing it. Meant for clean-up paths (destructors) that must not throw.
   [[nodiscard]] std::exception_ptr wait_nothrow() const {
     if (!s_) return nullptr;
-    dparallel::detail::spin_until([&] { return s_->finished.load(std::memory_order_acquire); });
-    std::unique_lock lock(s_->m);
-    s_->cv.wait(lock, [&] { return s_->done; });
+    auto const lock = s_->wait_done();
     switch (s_->kind) {
       case failure_kind::comm: return std::make_exception_ptr(comm_error(s_->rank, s_->what));
       case failure_kind::timeout: return std::make_exception_ptr(timeout_error(s_->rank, s_->what));
@@ -67,11 +60,7 @@ class work {
   // exception another may still be reading (std::exception_ptr's reference count is hidden from
   // ThreadSanitizer, which would otherwise report such hand-overs). Other failures are kept as is.
   enum class failure_kind : std::uint8_t { none, comm, timeout, other };
-  struct state {
-    std::mutex m;
-    std::condition_variable cv;
-    bool done = false;
-    std::atomic<bool> finished{false};  // `done`, readable without the mutex (for spinning)
+  struct state : dparallel::detail::completion {
     failure_kind kind = failure_kind::none;
     int rank = -1;
     std::string what;
@@ -113,16 +102,12 @@ class work_promise {
       }
       if (kind != work::failure_kind::other) error = nullptr;
     }
-    {
-      std::lock_guard lock(s_->m);
-      s_->done = true;
+    s_->complete([&] {
       s_->kind = kind;
       s_->rank = rank;
       s_->what = std::move(what);
       s_->error = std::move(error);
-      s_->finished.store(true, std::memory_order_release);
-    }
-    s_->cv.notify_all();
+    });
   }
 
  private:

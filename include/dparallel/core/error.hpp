@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -55,6 +56,17 @@ namespace detail {
 /// Throws invalid_argument with "dparallel: <what>" when `cond` is false.
 inline void require(bool cond, std::string const& what) {
   if (!cond) throw invalid_argument("dparallel: " + what);
+}
+/// The same for a literal message: nothing is built when `cond` holds.
+inline void require(bool cond, char const* what) {
+  if (!cond) throw invalid_argument(std::string("dparallel: ") + what);
+}
+/// The same with the message made by `what()` only when `cond` is false: for checks on a path
+/// that runs every step or every collective, where building the text each time would cost.
+template <class Message>
+  requires std::is_invocable_r_v<std::string, Message&>
+void require(bool cond, Message&& what) {
+  if (!cond) throw invalid_argument("dparallel: " + std::string(what()));
 }
 }  // namespace detail
 

@@ -13,8 +13,11 @@
 
 #include <dparallel/config.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
+#include <mutex>
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -68,6 +71,44 @@ bool spin_until(Ready&& ready) {
     }
   }
 }
+
+/// Done-once state shared by one completer and any number of waiters: the completion part of
+/// host::event and of a collective's work. Waiters spin on `finished` within the budget, then
+/// sleep on the condition variable; what the completer publishes (in the derived state) is set
+/// under the mutex, before `finished`.
+struct completion {
+  std::mutex m;
+  std::condition_variable cv;
+  std::atomic<bool> finished{false};
+
+  [[nodiscard]] bool ready() const noexcept { return finished.load(std::memory_order_acquire); }
+
+  /// Blocks until complete; returns holding the mutex, so the published state can be read.
+  [[nodiscard]] std::unique_lock<std::mutex> wait_done() {
+    spin_until([&] { return ready(); });
+    std::unique_lock lock(m);
+    cv.wait(lock, [&] { return ready(); });
+    return lock;
+  }
+
+  /// Waits at most `timeout`; true when complete.
+  template <class Rep, class Period>
+  [[nodiscard]] bool wait_done_for(std::chrono::duration<Rep, Period> timeout) {
+    std::unique_lock lock(m);
+    return cv.wait_for(lock, timeout, [&] { return ready(); });
+  }
+
+  /// Runs publish() under the mutex, marks the state complete and wakes the waiters. Call once.
+  template <class Publish>
+  void complete(Publish&& publish) {
+    {
+      std::lock_guard lock(m);
+      publish();
+      finished.store(true, std::memory_order_release);
+    }
+    cv.notify_all();
+  }
+};
 
 }  // namespace detail
 DPARALLEL_NAMESPACE_END

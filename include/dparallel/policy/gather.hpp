@@ -46,9 +46,10 @@ struct gather_traits<buffer<T>> {
     for (auto const& o : outs) {
       n += o.size();
       rows += o.rows();
-      detail::require(o.rows() == 0 || o.size() / o.rows() == row,
-                      "gather: expected every replica's output to have rows of " + std::to_string(row) +
-                          " elements, found " + std::to_string(o.size() / o.rows()));
+      detail::require(o.rows() == 0 || o.size() / o.rows() == row, [&] {
+        return "gather: expected every replica's output to have rows of " + std::to_string(row) + " elements, found " +
+               std::to_string(o.size() / o.rows());
+      });
     }
     buffer<T> all(n, rows);
     T* d = all.data();

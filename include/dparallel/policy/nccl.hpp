@@ -85,23 +85,31 @@ constexpr void require_cuda() {
                 "dparallel::nccl::dp's policies run on the CUDA backend: parallel<M, nccl::dp, cuda::backend>");
 }
 
+/// What both NCCL policies hold: one communicator per device when the devices are distinct GPUs
+/// (else none, and the policy takes its copy/kernel path), and that path's policy, kept as a
+/// member so the lists it reuses between steps persist.
+template <class Fallback>
+struct with_comms {
+  std::shared_ptr<device_comms> comms;
+  Fallback fallback;
+
+  template <class Set>
+  void on_construct(Set& s) {
+    require_cuda<Set>();
+    if (distinct_gpus(s.devices)) comms = std::make_shared<device_comms>(s.devices);
+    fallback.on_construct(s);
+  }
+};
+
 }  // namespace dp_detail
 
 /// Replicate: ncclBroadcast of the master's parameters and buffers from device 0 before every
 /// step; the copy path of policy::replicate_each_step when the devices are not distinct GPUs.
-struct broadcast_replicate {
-  std::shared_ptr<dp_detail::device_comms> comms;
-
-  template <class Set>
-  void on_construct(Set& s) {
-    dp_detail::require_cuda<Set>();
-    if (dp_detail::distinct_gpus(s.devices)) comms = std::make_shared<dp_detail::device_comms>(s.devices);
-  }
-
+struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> {
   template <class Set>
   void before_step(Set& s) {
     if (!comms) {
-      policy::replicate_each_step{}.before_step(s);
+      fallback.before_step(s);
       return;
     }
     // One thread (stream 0's) launches the whole group, each call on its device's stream; the
@@ -130,14 +138,7 @@ static_assert(replicate_policy<broadcast_replicate>);
 /// Reduce: weights applied on each replica's stream, then grouped ncclReduce (sum) onto the
 /// master; the pairwise copy/kernel path of policy::reduce_to_master when the devices are not
 /// distinct GPUs.
-struct weighted_reduce {
-  std::shared_ptr<dp_detail::device_comms> comms;
-
-  template <class Set>
-  void on_construct(Set& s) {
-    dp_detail::require_cuda<Set>();
-    if (dp_detail::distinct_gpus(s.devices)) comms = std::make_shared<dp_detail::device_comms>(s.devices);
-  }
+struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
   template <class Set>
   void begin_step(Set&) {}
   template <class Set>
@@ -146,7 +147,7 @@ struct weighted_reduce {
   template <class Set>
   void finish(Set& s) {
     if (!comms) {
-      policy::reduce_to_master{}.finish(s);
+      fallback.finish(s);
       return;
     }
     // Each replica weights its own gradient (zeros when it had no shard).

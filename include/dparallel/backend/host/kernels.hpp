@@ -15,11 +15,12 @@ DPARALLEL_NAMESPACE_BEGIN
 namespace host {
 namespace detail {
 
+// Kernels run per tensor on every step: the message is built only when the check fails.
 inline void check_same(tensor_ref dst, tensor_ref src, char const* what) {
-  dparallel::detail::require(dst.dtype() == src.dtype() && dst.size() == src.size(),
-                             std::string(what) + ": expected views of the same dtype and size, found " +
-                                 std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + " and " +
-                                 std::to_string(src.size()) + " x " + std::string(name_of(src.dtype())));
+  if (dst.dtype() == src.dtype() && dst.size() == src.size()) return;
+  throw invalid_argument("dparallel: " + std::string(what) + ": expected views of the same dtype and size, found " +
+                         std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + " and " +
+                         std::to_string(src.size()) + " x " + std::string(name_of(src.dtype())));
 }
 
 /// Calls f(T{}) with T the C++ type of a floating dtype; throws for other dtypes.
@@ -78,7 +79,7 @@ namespace detail {
 template <class T, std::size_t M>
 inline void weighted_sum_tile(T* d, std::span<tensor_ref const> srcs, std::span<double const> weights,
                               std::size_t base, std::size_t m_dynamic) {
-  constexpr std::size_t tile = M == 0 ? 64 : M;  // partial sums stay in L1 while the sources stream
+  constexpr std::size_t tile = M == 0 ? 16 : M;  // the dynamic form only takes the last < 16 elements
   constexpr std::size_t levels = 32;             // enough for 2^31 sources
   std::size_t const m = M == 0 ? m_dynamic : M;
   T stack[levels][tile];
@@ -122,9 +123,7 @@ inline void weighted_sum(tensor_ref dst, std::span<tensor_ref const> srcs, std::
         "dparallel: host::weighted_sum: expected one weight per source and at least one source, found " +
         std::to_string(srcs.size()) + " sources and " + std::to_string(weights.size()) + " weights");
   }
-  for (auto const& s : srcs) {
-    if (dst.dtype() != s.dtype() || dst.size() != s.size()) detail::check_same(dst, s, "host::weighted_sum");
-  }
+  for (auto const& s : srcs) detail::check_same(dst, s, "host::weighted_sum");
   detail::dispatch_float(
       dst.dtype(),
       [&](auto zero) {

@@ -34,9 +34,7 @@ class event {
   event() = default;
 
   /// True when the work finished (successfully or not).
-  [[nodiscard]] bool ready() const {
-    return !s_ || s_->finished.load(std::memory_order_acquire);
-  }
+  [[nodiscard]] bool ready() const { return !s_ || s_->ready(); }
   /// Blocks until the work finished; rethrows its error.
   void wait() const {
     if (auto e = wait_nothrow()) std::rethrow_exception(e);
@@ -44,26 +42,18 @@ class event {
   /// Blocks until the work finished; returns its error (null on success).
   [[nodiscard]] std::exception_ptr wait_nothrow() const {
     if (!s_) return nullptr;
-    dparallel::detail::spin_until([&] { return s_->finished.load(std::memory_order_acquire); });
-    std::unique_lock lock(s_->m);
-    s_->cv.wait(lock, [&] { return s_->done; });
+    auto const lock = s_->wait_done();
     return s_->error;
   }
   /// Waits at most `timeout`; true when the work finished.
   template <class Rep, class Period>
   [[nodiscard]] bool wait_for(std::chrono::duration<Rep, Period> timeout) const {
-    if (!s_) return true;
-    std::unique_lock lock(s_->m);
-    return s_->cv.wait_for(lock, timeout, [&] { return s_->done; });
+    return !s_ || s_->wait_done_for(timeout);
   }
 
  private:
   friend class stream;
-  struct state {
-    std::mutex m;
-    std::condition_variable cv;
-    bool done = false;
-    std::atomic<bool> finished{false};  // `done`, readable without the mutex (for spinning)
+  struct state : dparallel::detail::completion {
     std::exception_ptr error;
   };
   static event make() {
@@ -72,13 +62,7 @@ class event {
     return e;
   }
   void complete(std::exception_ptr error) const {
-    {
-      std::lock_guard lock(s_->m);
-      s_->done = true;
-      s_->error = std::move(error);
-      s_->finished.store(true, std::memory_order_release);
-    }
-    s_->cv.notify_all();
+    s_->complete([&] { s_->error = std::move(error); });
   }
   std::shared_ptr<state> s_;
 };
@@ -110,8 +94,7 @@ class stream {
     {
       std::lock_guard lock(m_);
       queue_.push_back(task{std::function<void()>(std::forward<F>(fn)), done});
-      ++pending_;
-      busy_.store(pending_, std::memory_order_relaxed);
+      pending_.fetch_add(1, std::memory_order_relaxed);
       queued_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
@@ -132,10 +115,10 @@ class stream {
   /// Blocks until the queue is drained; rethrows (and clears) the stream's sticky error.
   void synchronize() {
     std::exception_ptr e;
-    dparallel::detail::spin_until([&] { return busy_.load(std::memory_order_acquire) == 0; });
+    dparallel::detail::spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
     {
       std::unique_lock lock(m_);
-      idle_.wait(lock, [&] { return pending_ == 0; });
+      idle_.wait(lock, [&] { return pending_.load(std::memory_order_relaxed) == 0; });
       e = std::exchange(error_, nullptr);
     }
     if (e) std::rethrow_exception(e);
@@ -163,13 +146,18 @@ class stream {
       }
       std::exception_ptr failure = sticky;
       if (!sticky) failure = invoke(t.fn);
+      t.fn = nullptr;  // the work's captures die before the work counts as done
       t.done.complete(failure);
       {
         std::lock_guard lock(m_);
         if (failure && !error_) error_ = failure;
-        --pending_;
-        busy_.store(pending_, std::memory_order_release);
-        if (pending_ == 0) idle_.notify_all();
+        // This thread's references to the error and the event go under the mutex, so a thread
+        // that then finds the stream idle is ordered after them: it may drop the last reference
+        // and destroy the exception (ThreadSanitizer does not see exception_ptr's count).
+        failure = nullptr;
+        sticky = nullptr;
+        t.done = event{};
+        if (pending_.fetch_sub(1, std::memory_order_release) == 1) idle_.notify_all();
       }
     }
   }
@@ -204,10 +192,10 @@ class stream {
   std::condition_variable cv_;
   std::condition_variable idle_;
   std::deque<task> queue_;
-  std::size_t pending_ = 0;
-  // Mirrors for spinning without the mutex: tasks in queue_, and pending_.
+  // Changed under m_, also read without it (for spinning): work enqueued and not yet finished,
+  // and queue_.size().
+  std::atomic<std::size_t> pending_{0};
   std::atomic<std::size_t> queued_{0};
-  std::atomic<std::size_t> busy_{0};
   bool stopping_ = false;
   std::exception_ptr error_;
   std::thread worker_;  // last: starts after every other member is constructed
