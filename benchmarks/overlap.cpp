@@ -5,16 +5,27 @@
 // 16 samples per rank: enough compute that the reduction of 24 MiB of gradients can hide in it)
 // whose parameters and gradients each live in one flat buffer. Per rank and step, four times are
 // measured over the same ranks (thread ranks of one process, one core each):
-//   compute   forward + backward alone, every rank at once, no DDP;
+//   compute   forward + backward, every rank at once, no DDP; the ranks meet at a barrier after
+//             each step, as every synchronous step does (a step waits for the slowest rank, and
+//             that wait is not communication);
 //   comm      a DDP step whose step function does nothing: the gradient reduction alone;
 //   serial    a DDP step whose model never calls grad_ready: every bucket is reduced after
 //             backward (communication exposed);
 //   overlap   the same step with grad_ready: a bucket is reduced as soon as its gradients are done.
 // hidden = (compute + comm - overlap) / comm is the share of the communication time that the
 // overlapped step did not pay for (1: all of it hidden, 0: none). The serial step often pays more
-// for communication than the comm step alone (its buffers are cold, its threads compete with
-// backward's), so a second share is printed beside it: hidden_vs_serial = (serial - overlap) /
-// (serial - compute), the part of the serial step's exposed communication that overlapping removed.
+// for communication than the comm step alone, so a second share is printed beside it:
+// hidden_vs_serial = (serial - overlap) / (serial - compute), the part of the serial step's exposed
+// communication that overlapping removed.
+//
+// What the cores allow. The host communicator's work (copies and sums) runs on CPU threads. The
+// process's CPU time per step is measured beside each wall time (std::clock: every thread). An
+// overlapped step must do the CPU work of both the compute step and the comm step, so on C
+// hardware threads it takes at least (compute_cpu + comm_cpu) / C, and
+//   hidden_limit = (compute + comm - (compute_cpu + comm_cpu) / C) / comm
+// is the most any overlap could hide on this machine. When the ranks' compute already fills every
+// core (C = ranks), it is about the comm step's idle share: hiding needs idle cores (or a copy
+// engine, as on a GPU), not a better schedule.
 // --bucket-view also runs the DDP steps with options::gradient_as_bucket_view (buckets are views
 // of the flat gradient buffer: no copies into and out of bucket storage).
 
@@ -29,6 +40,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -39,9 +51,10 @@ namespace dp = dparallel;
 namespace {
 
 char const* const usage =
-    "usage: overlap [--layers 24] [--width 512] [--batch 16] [--ranks 2] [--bucket-mb 4] [--steps 30]\n"
-    "               [--warmup 3] [--reps 3] [--bucket-view 0|1] [--csv FILE]\n"
+    "usage: overlap [--layers 24] [--width 512] [--batch 16] [--ranks 2] [--bucket-mb 4] [--steps 1]\n"
+    "               [--rounds 40] [--warmup 3] [--bucket-view 0|1] [--csv FILE]\n"
     "  --batch      samples per rank and step\n"
+    "  --steps      steps per mode and round; the modes take turns, --rounds times\n"
     "  --bucket-mb  DDP's bucket_cap_mb (the first bucket: a quarter of it)\n"
     "  --bucket-view 1  also measure with options::gradient_as_bucket_view\n";
 
@@ -132,7 +145,7 @@ struct config {
   std::size_t layers = 24, width = 512, batch = 16;
   int ranks = 2;
   double bucket_mb = 4;
-  std::size_t steps = 30, warmup = 3;
+  std::size_t steps = 1, rounds = 40, warmup = 3;
 };
 
 std::vector<float> synthetic(std::size_t n, std::uint64_t seed) {
@@ -145,11 +158,26 @@ std::vector<float> synthetic(std::size_t n, std::uint64_t seed) {
 }
 
 enum class kind { compute, comm, serial, overlap };
+constexpr std::size_t kinds = 4;
 
-/// Seconds per step of `k`, every rank stepping at once; rank 0's clock between two barriers.
-double measure(config const& c, kind k, bool bucket_view) {
+struct per_step {
+  double wall = 0;  ///< seconds per step, rank 0's clock between two barriers
+  double cpu = 0;   ///< CPU seconds per step, every thread of the process
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  std::size_t const n = v.size();
+  return n == 0 ? 0 : n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Every mode's time per step, in the same rank threads. This machine's cores change speed from
+/// second to second (it is shared), so the modes take turns: each round runs `steps` steps of
+/// every mode (starting with a different mode each round), and each mode's result is the median
+/// of its rounds. A mode is never measured in a faster or slower phase than the others.
+std::vector<per_step> measure(config const& c, bool bucket_view) {
   std::barrier sync(c.ranks);
-  double seconds = 0;
+  std::vector<std::vector<double>> wall(kinds), cpu(kinds);
   dp::spawn(c.ranks, [&](dp::rank_context& rank) {
     deep_mlp m(c.width, c.layers);
     auto const xs = synthetic(c.batch * c.width, 7 + static_cast<std::uint64_t>(rank.rank()));
@@ -161,9 +189,12 @@ double measure(config const& c, kind k, bool bucket_view) {
     opts.first_bucket_cap_mb = c.bucket_mb / 4;
     opts.gradient_as_bucket_view = bucket_view;
     dp::distributed_data_parallel<deep_mlp> ddp(m, rank.group(), opts);
-    auto step = [&] {
+    auto step = [&](kind k) {
       switch (k) {
-        case kind::compute: m.forward_backward(s, nullptr); break;
+        case kind::compute:
+          m.forward_backward(s, nullptr);
+          sync.arrive_and_wait();
+          break;
         case kind::comm: ddp.step(s, [](deep_mlp&, samples) {}); break;
         case kind::serial: ddp.step(s, [](deep_mlp& r, samples x) { r.forward_backward(x, nullptr); }); break;
         case kind::overlap:
@@ -171,14 +202,27 @@ double measure(config const& c, kind k, bool bucket_view) {
           break;
       }
     };
-    for (std::size_t j = 0; j < c.warmup; ++j) step();
-    sync.arrive_and_wait();
-    auto const t0 = bench::clock::now();
-    for (std::size_t j = 0; j < c.steps; ++j) step();
-    sync.arrive_and_wait();
-    if (rank.rank() == 0) seconds = bench::seconds_since(t0) / static_cast<double>(c.steps);
+    for (std::size_t k = 0; k < kinds; ++k)
+      for (std::size_t j = 0; j < c.warmup; ++j) step(static_cast<kind>(k));
+    for (std::size_t r = 0; r < c.rounds; ++r) {
+      for (std::size_t i = 0; i < kinds; ++i) {
+        std::size_t const k = (r + i) % kinds;
+        sync.arrive_and_wait();
+        auto const t0 = bench::clock::now();
+        std::clock_t const c0 = std::clock();
+        for (std::size_t j = 0; j < c.steps; ++j) step(static_cast<kind>(k));
+        sync.arrive_and_wait();
+        if (rank.rank() == 0) {
+          auto const steps = static_cast<double>(c.steps);
+          wall[k].push_back(bench::seconds_since(t0) / steps);
+          cpu[k].push_back(static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC / steps);
+        }
+      }
+    }
   });
-  return seconds;
+  std::vector<per_step> out(kinds);
+  for (std::size_t k = 0; k < kinds; ++k) out[k] = {median(wall[k]), median(cpu[k])};
+  return out;
 }
 
 }  // namespace
@@ -192,9 +236,9 @@ int main(int argc, char** argv) {
   c.batch = static_cast<std::size_t>(a.num("batch", 16));
   c.ranks = static_cast<int>(a.num("ranks", 2));
   c.bucket_mb = a.num("bucket-mb", 4);
-  c.steps = static_cast<std::size_t>(a.num("steps", 30));
+  c.steps = static_cast<std::size_t>(a.num("steps", 1));
+  c.rounds = static_cast<std::size_t>(a.num("rounds", 40));
   c.warmup = static_cast<std::size_t>(a.num("warmup", 3));
-  int const reps = static_cast<int>(a.num("reps", 3));
   bool const view = a.num("bucket-view", 1) != 0;
   std::string const csv = a.str("csv", "");
   a.done();
@@ -202,31 +246,30 @@ int main(int argc, char** argv) {
   std::vector<bool> views{false};
   if (view) views.push_back(true);
   bench::table t({"gradient_as_bucket_view", "compute_ms", "comm_ms", "serial_ms", "overlap_ms", "exposed_comm_ms",
-                  "hidden_share", "hidden_vs_serial"});
+                  "hidden_share", "hidden_vs_serial", "compute_cpu_ms", "comm_cpu_ms", "hidden_limit"});
+  double const cores = std::max(1u, std::thread::hardware_concurrency());
   double const grad_mb = static_cast<double>(c.layers * (c.width * c.width + c.width) * sizeof(float)) / (1 << 20);
   std::printf("# overlap: %zu layers of %zu x %zu (%.1f MiB of gradients), %zu samples per rank, %d ranks, "
-              "buckets of %.2f MiB; best of %d rounds; %s\n",
-              c.layers, c.width, c.width, grad_mb, c.batch, c.ranks, c.bucket_mb, reps, bench::load_note().c_str());
+              "buckets of %.2f MiB; median of %zu rounds of %zu steps per mode, the modes taking turns; %s\n",
+              c.layers, c.width, c.width, grad_mb, c.batch, c.ranks, c.bucket_mb, c.rounds, c.steps,
+              bench::load_note().c_str());
   for (bool v : views) {
-    std::vector<double> best(4, 1e300);
-    for (int r = 0; r < reps; ++r) {
-      for (kind k : {kind::compute, kind::comm, kind::serial, kind::overlap}) {
-        double const s = measure(c, k, v);
-        auto& b = best[static_cast<std::size_t>(k)];
-        b = std::min(b, s);
-      }
-    }
-    double const compute = best[0], comm = best[1], serial = best[2], overlap = best[3];
+    std::vector<per_step> const times = measure(c, v);
+    double const compute = times[0].wall, comm = times[1].wall, serial = times[2].wall, overlap = times[3].wall;
     double const hidden = comm > 0 ? (compute + comm - overlap) / comm : 0;
     double const hidden_serial = serial > compute ? (serial - overlap) / (serial - compute) : 0;
+    double const floor = (times[0].cpu + times[1].cpu) / cores;  // the least an overlapped step can take
+    double const limit = comm > 0 ? std::min(1.0, (compute + comm - floor) / comm) : 0;
     t.add({v ? "1" : "0", bench::fmt("%.2f", compute * 1e3), bench::fmt("%.2f", comm * 1e3),
            bench::fmt("%.2f", serial * 1e3), bench::fmt("%.2f", overlap * 1e3),
-           bench::fmt("%.2f", (overlap - compute) * 1e3), bench::fmt("%.3f", hidden), bench::fmt("%.3f", hidden_serial)});
+           bench::fmt("%.2f", (overlap - compute) * 1e3), bench::fmt("%.3f", hidden), bench::fmt("%.3f", hidden_serial),
+           bench::fmt("%.2f", times[0].cpu * 1e3), bench::fmt("%.2f", times[1].cpu * 1e3), bench::fmt("%.3f", limit)});
   }
   t.print();
   t.write_csv(csv);
   std::printf("# hidden_share = (compute + comm - overlap) / comm (target >= 0.5); hidden_vs_serial = (serial - overlap) / "
-              "(serial - compute).  %s\n",
-              bench::load_note().c_str());
+              "(serial - compute);\n# hidden_limit = (compute + comm - (compute_cpu + comm_cpu) / %.0f hardware threads) / comm: "
+              "the most any overlap can hide here.  %s\n",
+              cores, bench::load_note().c_str());
   return 0;
 }
