@@ -22,6 +22,7 @@
 #include <fstream>
 #include <future>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -286,6 +287,54 @@ TEST_CASE("host: every collective equals the serial rank-order reference bit for
     // Every collective above finished on every rank, successfully.
     for (auto const& g : groups) REQUIRE(g.completed_ops() == salt);
   }
+}
+
+TEST_CASE("host reduce kernel: the documented rank order at every length, source count and alignment",
+          "[host][comm]") {
+  // reduce_tiles works in 1 KiB tiles, then 16-element blocks, then single elements, adding the
+  // first two sources and scaling in the same pass: every element must still be
+  // ((s0 + s1) + ...) * scale, bit for bit, with the destinations written in place or apart.
+  auto const check = [](auto zero) {
+    using T = decltype(zero);
+    constexpr std::size_t tile = 1024 / sizeof(T);
+    for (std::size_t n = 1; n <= 5; ++n) {
+      for (std::size_t len : {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{17},
+                              tile - 1, tile, tile + 1, tile + 16 + 3, 3 * tile + 47}) {
+        for (std::size_t shift : {std::size_t{0}, std::size_t{1}, std::size_t{3}}) {
+          for (bool avg : {false, true}) {
+            for (bool in_place : {false, true}) {
+              INFO(n << " sources of " << len << " x " << sizeof(T) << " bytes, shifted " << shift << ", avg " << avg
+                     << ", in place " << in_place);
+              std::vector<std::vector<T>> src(n), out(n);
+              std::vector<T const*> sp(n);
+              std::vector<T*> dp_(n);
+              for (std::size_t k = 0; k < n; ++k) {
+                src[k] = inputs<T>(static_cast<unsigned>(len + 7 * shift), static_cast<int>(k), len + shift);
+                out[k].assign(len + shift, T(-1));
+                sp[k] = src[k].data() + shift;
+                dp_[k] = (in_place ? src[k].data() : out[k].data()) + shift;
+              }
+              T const scale = dp::detail::avg_scale<T>(static_cast<int>(n));
+              std::vector<T> expected(len);
+              for (std::size_t i = 0; i < len; ++i) {
+                T v = sp[0][i];
+                for (std::size_t k = 1; k < n; ++k) v += sp[k][i];
+                expected[i] = avg ? v * scale : v;
+              }
+              dp::detail::reduce_tiles<T>(std::span<T const* const>(sp.data(), n), std::span<T* const>(dp_.data(), n),
+                                          len, avg, scale);
+              for (std::size_t k = 0; k < n; ++k) {
+                std::vector<T> const got(dp_[k], dp_[k] + len);
+                REQUIRE(same_bits(got, expected));
+              }
+            }
+          }
+        }
+      }
+    }
+  };
+  check(float{});
+  check(double{});
 }
 
 TEST_CASE("host: broadcast and all_gather move any dtype", "[host][comm]") {

@@ -40,27 +40,48 @@ constexpr std::pair<std::size_t, std::size_t> rank_slice(std::size_t count, int 
   return {count * r / nn, count * (r + 1) / nn};
 }
 
-/// For i in [base, base + m): v = ((srcs[0][i] + srcs[1][i]) + ...), times `scale` when `avg`,
+/// For i in [base, base + M): v = ((srcs[0][i] + srcs[1][i]) + ...), times `scale` when `avg`,
 /// then dsts[k][i] = v for every k. The running sums live in a local tile, so every destination
 /// may be the same array as a source (in place); none may partially overlap one.
-/// With M a compile-time count each loop has a constant trip count over separate arrays, which
-/// GCC vectorises even at -O2 (its "very cheap" cost model refuses loops that need an epilogue).
+/// Each loop has a compile-time trip count and reads or writes one array besides the tile, which
+/// GCC vectorises even at -O2 (its "very cheap" cost model refuses loops that need an epilogue or
+/// a runtime check that two arrays do not overlap). The first two sources are added, and the
+/// last pass scaled, in the same loop: one pass over the tile fewer, the same operations.
 template <class T, std::size_t M>
 inline void reduce_block(std::span<T const* const> srcs, std::span<T* const> dsts, std::size_t base, bool avg,
                          T scale) {
   T acc[M];
-  std::memcpy(acc, srcs[0] + base, M * sizeof(T));
-  for (std::size_t k = 1; k < srcs.size(); ++k) {
-    T const* s = srcs[k] + base;
-    for (std::size_t i = 0; i < M; ++i) acc[i] += s[i];
+  std::size_t const n = srcs.size();
+  bool const scale_first = avg && n <= 2;  // scaled in the first pass: there is no later one
+  T const* s0 = srcs[0] + base;
+  if (n == 1) {
+    for (std::size_t i = 0; i < M; ++i) acc[i] = s0[i];
+  } else {
+    T const* s1 = srcs[1] + base;
+    if (scale_first) {
+      for (std::size_t i = 0; i < M; ++i) acc[i] = (s0[i] + s1[i]) * scale;
+    } else {
+      for (std::size_t i = 0; i < M; ++i) acc[i] = s0[i] + s1[i];
+    }
   }
-  if (avg) {
+  for (std::size_t k = 2; k < n; ++k) {
+    T const* s = srcs[k] + base;
+    if (avg && k + 1 == n) {
+      for (std::size_t i = 0; i < M; ++i) acc[i] = (acc[i] + s[i]) * scale;
+    } else {
+      for (std::size_t i = 0; i < M; ++i) acc[i] += s[i];
+    }
+  }
+  if (avg && n == 1) {
     for (std::size_t i = 0; i < M; ++i) acc[i] *= scale;
   }
-  for (T* d : dsts) std::memcpy(d + base, acc, M * sizeof(T));
+  for (T* d : dsts) {
+    T* out = d + base;
+    for (std::size_t i = 0; i < M; ++i) out[i] = acc[i];
+  }
 }
 
-/// reduce_block for a short run of m (< 64) elements: the same arithmetic, element by element.
+/// reduce_block for a short run of m (< 16) elements: the same arithmetic, element by element.
 template <class T>
 inline void reduce_short(std::span<T const* const> srcs, std::span<T* const> dsts, std::size_t base, std::size_t m,
                          bool avg, T scale) {
@@ -72,15 +93,18 @@ inline void reduce_short(std::span<T const* const> srcs, std::span<T* const> dst
   }
 }
 
-/// Elements [0, count) of the reduction described at reduce_block: L1-sized tiles (the running
-/// sums stay in cache while the sources stream), then 64-element blocks, then the last few.
+/// Elements [0, count) of the reduction described at reduce_block: tiles of 1 KiB (the sums stay
+/// in L1 while the sources stream through), then blocks of 16 elements, then the last few. The
+/// trip counts are computed first (a loop bounded by count - base would let GCC assume the
+/// offsets can overflow, and warn about it where count is a constant).
 template <class T>
 void reduce_tiles(std::span<T const* const> srcs, std::span<T* const> dsts, std::size_t count, bool avg, T scale) {
-  constexpr std::size_t tile = 16384 / sizeof(T);
-  constexpr std::size_t block = 64;
+  constexpr std::size_t tile = 1024 / sizeof(T);
+  constexpr std::size_t block = 16;
   std::size_t base = 0;
-  for (; count - base >= tile; base += tile) reduce_block<T, tile>(srcs, dsts, base, avg, scale);
-  for (; count - base >= block; base += block) reduce_block<T, block>(srcs, dsts, base, avg, scale);
+  for (std::size_t t = count / tile; t > 0; --t, base += tile) reduce_block<T, tile>(srcs, dsts, base, avg, scale);
+  for (std::size_t b = (count - base) / block; b > 0; --b, base += block)
+    reduce_block<T, block>(srcs, dsts, base, avg, scale);
   reduce_short<T>(srcs, dsts, base, count - base, avg, scale);
 }
 
