@@ -75,6 +75,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/call_checks.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/work.hpp>
@@ -1484,9 +1485,7 @@ class communicator {
       reject(c, std::string("expected `") + name + "` in host memory, found a view on " + to_string(t.device()) +
                     "; set mpi::options::cuda_aware if this MPI is CUDA-aware");
     }
-    if (t.size() != 0 && t.data() == nullptr) {
-      reject(c, std::string("`") + name + "` has " + std::to_string(t.size()) + " elements but a null data pointer");
-    }
+    if (auto const problem = dparallel::detail::null_data_problem(t, name); !problem.empty()) reject(c, problem);
   }
 
   void check_reducible(dparallel::detail::comm_call const& c, tensor_ref t) {
@@ -1509,41 +1508,20 @@ class communicator {
   }
 
   void check_root(dparallel::detail::comm_call const& c) {
-    if (c.root < 0 || c.root >= size()) {
-      reject(c, "expected a root in [0, " + std::to_string(size()) + "), found " + std::to_string(c.root));
-    }
+    if (auto const problem = dparallel::detail::root_problem(c.root, size()); !problem.empty()) reject(c, problem);
   }
 
   void check_blocks(dparallel::detail::comm_call const& c, tensor_ref small, tensor_ref big, char const* small_name,
                     char const* big_name) {
-    auto const n = static_cast<std::size_t>(size());
-    if (big.dtype() != small.dtype()) {
-      reject(c, std::string("expected `") + big_name + "` and `" + small_name + "` of the same dtype, found " +
-                    std::string(name_of(big.dtype())) + " and " + std::string(name_of(small.dtype())));
-    }
     if (big.device() != small.device()) {
       reject(c, std::string("expected `") + big_name + "` and `" + small_name + "` on the same device, found " +
                     to_string(big.device()) + " and " + to_string(small.device()));
     }
-    if (big.size() != n * small.size()) {
-      reject(c, std::string("expected `") + big_name + "` to hold size() * " + small_name + ".size() = " +
-                    std::to_string(n) + " * " + std::to_string(small.size()) + " = " +
-                    std::to_string(n * small.size()) + " elements, found " + std::to_string(big.size()));
-    }
+    auto const problem = dparallel::detail::blocks_problem(small, big, small_name, big_name, size(), rank());
+    if (!problem.empty()) reject(c, problem);
     if (small.size() == 0) return;
-    auto const s0 = reinterpret_cast<std::uintptr_t>(small.data());
-    auto const b0 = reinterpret_cast<std::uintptr_t>(big.data());
-    auto const s1 = s0 + small.size_bytes();
-    auto const b1 = b0 + big.size_bytes();
-    bool const disjoint = s1 <= b0 || b1 <= s0;
-    bool const own_block = s0 == b0 + static_cast<std::uintptr_t>(rank()) * small.size_bytes();
-    if (!disjoint && !own_block) {
-      reject(c, std::string("`") + small_name + "` overlaps `" + big_name + "` other than as its block " +
-                    std::to_string(rank()) + " (this rank's); pass that block for an in-place call, or disjoint "
-                    "buffers");
-    }
     if (small.device().kind != device_kind::host) {
-      if (c.kind == dparallel::detail::comm_kind::reduce_scatter && !disjoint)
+      if (c.kind == dparallel::detail::comm_kind::reduce_scatter && !dparallel::detail::disjoint(small, big))
         reject(c, "an in-place reduce_scatter of device memory is not supported; pass disjoint buffers");
       if (small.size() > opts().max_message_elements)
         reject(c, "device buffers of all_gather / reduce_scatter are limited to options::max_message_elements = " +

@@ -132,8 +132,11 @@ inline void weighted_sum(tensor_ref dst, std::span<tensor_ref const> srcs, std::
         std::size_t const n = dst.size();
         constexpr std::size_t tile = 256, block = 16;
         std::size_t base = 0;
-        for (; n - base >= tile; base += tile) detail::weighted_sum_tile<T, tile>(d, srcs, weights, base, tile);
-        for (; n - base >= block; base += block) detail::weighted_sum_tile<T, block>(d, srcs, weights, base, block);
+        // Trip counts first, as in the communicator's reduce_tiles (no overflow for GCC to assume).
+        for (std::size_t t = n / tile; t > 0; --t, base += tile)
+          detail::weighted_sum_tile<T, tile>(d, srcs, weights, base, tile);
+        for (std::size_t b = (n - base) / block; b > 0; --b, base += block)
+          detail::weighted_sum_tile<T, block>(d, srcs, weights, base, block);
         if (base < n) detail::weighted_sum_tile<T, 0>(d, srcs, weights, base, n - base);
       },
       "host::weighted_sum");
