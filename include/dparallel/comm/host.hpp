@@ -29,20 +29,16 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/core/spin.hpp>
+#include <dparallel/core/task_queue.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -54,7 +50,7 @@ namespace host {
 class communicator {
  public:
   communicator(std::shared_ptr<dparallel::detail::host_group> group, int rank, std::chrono::milliseconds timeout)
-      : group_(std::move(group)), rank_(rank), timeout_ms_(timeout.count()), worker_([this] { run(); }) {}
+      : group_(std::move(group)), rank_(rank), timeout_ms_(timeout.count()), queue_([this](task& t) { run(t); }) {}
   communicator(communicator const&) = delete;
   communicator& operator=(communicator const&) = delete;
 
@@ -62,22 +58,14 @@ class communicator {
   /// peers could otherwise wait for this rank until the timeout); with none pending, the rank is
   /// closed, so peers waiting for a later collective of this rank fail at once.
   ~communicator() {
-    std::size_t pending = 0;
-    std::uint64_t last = 0;
-    {
-      std::lock_guard lock(m_);
-      pending = pending_;
-      last = next_seq_ - 1;
-      stopping_ = true;
-    }
+    auto const [pending, last] = queue_.locked([&] { return std::pair(queue_.pending(), next_seq_ - 1); });
     if (pending != 0) {
       group_->abort(rank_, "its communicator was destroyed with " + std::to_string(pending) + " collective" +
                                (pending == 1 ? "" : "s") + " pending");
     } else {
       group_->close(rank_, last);
     }
-    cv_.notify_all();
-    worker_.join();
+    queue_.stop();
   }
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
@@ -151,19 +139,16 @@ class communicator {
 
   /// Blocks until every collective issued so far has finished (successfully or not).
   void drain() {
-    std::unique_lock lock(m_);
-    idle_.wait(lock, [&] { return pending_ == 0; });
+    queue_.wait_idle([] {});
   }
 
   /// Declares that this rank issues no more collectives: peers waiting for a later one fail at
   /// once (timeout_error naming this rank) instead of at the timeout. Later calls throw.
   void close() {
-    std::uint64_t last = 0;
-    {
-      std::lock_guard lock(m_);
+    std::uint64_t const last = queue_.locked([&] {
       closed_ = true;
-      last = next_seq_ - 1;
-    }
+      return next_seq_ - 1;
+    });
     group_->close(rank_, last);
   }
 
@@ -180,17 +165,13 @@ class communicator {
   work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
     dparallel::detail::work_promise p;
     work w = p.get_work();
-    {
-      std::lock_guard lock(m_);
+    queue_.push([&] {
       dparallel::detail::require(!closed_, [&] {
         return "host::communicator: rank " + std::to_string(rank_) + " called " + dparallel::detail::describe(c) +
                " after it was closed (its spawn function returned)";
       });
-      queue_.push_back(task{next_seq_++, c, a, b, timeout(), std::move(p)});
-      ++pending_;
-      queued_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
+      return task{next_seq_++, c, a, b, timeout(), std::move(p)};
+    });
     return w;
   }
 
@@ -228,49 +209,28 @@ class communicator {
     if (!problem.empty()) reject(c, problem);
   }
 
-  void run() {
-    for (;;) {
-      task t;
-      dparallel::detail::spin_until([&] { return queued_.load(std::memory_order_acquire) != 0; });
-      {
-        std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping and drained
-        t = std::move(queue_.front());
-        queue_.pop_front();
-        queued_.fetch_sub(1, std::memory_order_relaxed);
-      }
-      std::exception_ptr failure;
-      try {
-        failure = group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout);
-      } catch (...) {
-        failure = std::current_exception();  // only an allocation failure can get here
-      }
-      // Not pending any more before anyone can see the work complete: a rank that waits for its
-      // last work and then destroys its communicator must not find it still pending.
-      {
-        std::lock_guard lock(m_);
-        if (--pending_ == 0) idle_.notify_all();
-      }
-      completed_.fetch_add(1, std::memory_order_release);
-      t.done.complete(std::move(failure));
+  // On the communication thread, for each collective in the order issued.
+  void run(task& t) {
+    std::exception_ptr failure;
+    try {
+      failure = group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout);
+    } catch (...) {
+      failure = std::current_exception();  // only an allocation failure can get here
     }
+    // Not pending any more before anyone can see the work complete: a rank that waits for its
+    // last work and then destroys its communicator must not find it still pending.
+    queue_.retire([] {});
+    completed_.fetch_add(1, std::memory_order_release);
+    t.done.complete(std::move(failure));
   }
 
   std::shared_ptr<dparallel::detail::host_group> group_;
   int rank_;
   std::atomic<std::int64_t> timeout_ms_;
   std::atomic<std::uint64_t> completed_{0};
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::condition_variable idle_;
-  std::deque<task> queue_;
-  std::atomic<std::size_t> queued_{0};  // queue_.size(), readable without the mutex (for spinning)
-  std::size_t pending_ = 0;  // queued or running
-  std::uint64_t next_seq_ = 1;
-  bool stopping_ = false;
+  std::uint64_t next_seq_ = 1;  // under the queue's mutex, as closed_
   bool closed_ = false;
-  std::thread worker_;  // last: starts after every other member is constructed
+  dparallel::detail::task_queue<task> queue_;  // last: its thread starts after the other members exist
 };
 
 static_assert(dparallel::communicator<communicator>);

@@ -13,16 +13,12 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/spin.hpp>
+#include <dparallel/core/task_queue.hpp>
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <utility>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -70,20 +66,13 @@ class event {
 /// The queue of one logical host device, drained in order by its own worker thread.
 class stream {
  public:
-  explicit stream(int device_index) : device_(device_index), worker_([this] { run(); }) {}
+  explicit stream(int device_index) : device_(device_index), queue_([this](task& t) { run(t); }) {}
   /// The stream of logical device `d` (its index names the device in errors).
   explicit stream(device d) : stream(d.index) {}
   stream(stream const&) = delete;
   stream& operator=(stream const&) = delete;
   /// Finishes the queued work, then joins the worker.
-  ~stream() {
-    {
-      std::lock_guard lock(m_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
+  ~stream() { queue_.stop(); }
 
   [[nodiscard]] int device_index() const noexcept { return device_; }
 
@@ -91,13 +80,7 @@ class stream {
   template <class F>
   event enqueue(F&& fn) {
     event done = event::make();
-    {
-      std::lock_guard lock(m_);
-      queue_.push_back(task{std::function<void()>(std::forward<F>(fn)), done});
-      pending_.fetch_add(1, std::memory_order_relaxed);
-      queued_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
+    queue_.push([&] { return task{std::function<void()>(std::forward<F>(fn)), done}; });
     return done;
   }
 
@@ -114,14 +97,8 @@ class stream {
 
   /// Blocks until the queue is drained; rethrows (and clears) the stream's sticky error.
   void synchronize() {
-    std::exception_ptr e;
-    dparallel::detail::spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
-    {
-      std::unique_lock lock(m_);
-      idle_.wait(lock, [&] { return pending_.load(std::memory_order_relaxed) == 0; });
-      e = std::exchange(error_, nullptr);
-    }
-    if (e) std::rethrow_exception(e);
+    if (std::exception_ptr e = queue_.wait_idle([&] { return std::exchange(error_, nullptr); }))
+      std::rethrow_exception(e);
   }
 
  private:
@@ -130,36 +107,22 @@ class stream {
     event done;
   };
 
-  void run() {
-    for (;;) {
-      task t;
-      std::exception_ptr sticky;
-      dparallel::detail::spin_until([&] { return queued_.load(std::memory_order_acquire) != 0; });
-      {
-        std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping and drained
-        t = std::move(queue_.front());
-        queue_.pop_front();
-        queued_.fetch_sub(1, std::memory_order_relaxed);
-        sticky = error_;
-      }
-      std::exception_ptr failure = sticky;
-      if (!sticky) failure = invoke(t.fn);
-      t.fn = nullptr;  // the work's captures die before the work counts as done
-      t.done.complete(failure);
-      {
-        std::lock_guard lock(m_);
-        if (failure && !error_) error_ = failure;
-        // This thread's references to the error and the event go under the mutex, so a thread
-        // that then finds the stream idle is ordered after them: it may drop the last reference
-        // and destroy the exception (ThreadSanitizer does not see exception_ptr's count).
-        failure = nullptr;
-        sticky = nullptr;
-        t.done = event{};
-        if (pending_.fetch_sub(1, std::memory_order_release) == 1) idle_.notify_all();
-      }
-    }
+  // On the worker, for each task in order: skipped while the stream holds an error.
+  void run(task& t) {
+    std::exception_ptr sticky = queue_.locked([&] { return error_; });
+    std::exception_ptr failure = sticky;
+    if (!sticky) failure = invoke(t.fn);
+    t.fn = nullptr;  // the work's captures die before the work counts as done
+    t.done.complete(failure);
+    queue_.retire([&] {
+      if (failure && !error_) error_ = failure;
+      // This thread's references to the error and the event go under the mutex, so a thread
+      // that then finds the stream idle is ordered after them: it may drop the last reference
+      // and destroy the exception (ThreadSanitizer does not see exception_ptr's count).
+      failure = nullptr;
+      sticky = nullptr;
+      t.done = event{};
+    });
   }
 
   // Errors already attributed to a device or rank pass through; anything else is wrapped in a
@@ -188,17 +151,8 @@ class stream {
   }
 
   int device_;
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::condition_variable idle_;
-  std::deque<task> queue_;
-  // Changed under m_, also read without it (for spinning): work enqueued and not yet finished,
-  // and queue_.size().
-  std::atomic<std::size_t> pending_{0};
-  std::atomic<std::size_t> queued_{0};
-  bool stopping_ = false;
-  std::exception_ptr error_;
-  std::thread worker_;  // last: starts after every other member is constructed
+  std::exception_ptr error_;  // the sticky error; under the queue's mutex
+  dparallel::detail::task_queue<task> queue_;  // last: its worker starts after the other members exist
 };
 
 }  // namespace host
