@@ -165,12 +165,6 @@ struct per_step {
   double cpu = 0;   ///< CPU seconds per step, every thread of the process
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  std::size_t const n = v.size();
-  return n == 0 ? 0 : n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /// Every mode's time per step, in the same rank threads. This machine's cores change speed from
 /// second to second (it is shared), so the modes take turns: each round runs `steps` steps of
 /// every mode (starting with a different mode each round), and each mode's result is the median
@@ -221,7 +215,7 @@ std::vector<per_step> measure(config const& c, bool bucket_view) {
     }
   });
   std::vector<per_step> out(kinds);
-  for (std::size_t k = 0; k < kinds; ++k) out[k] = {median(wall[k]), median(cpu[k])};
+  for (std::size_t k = 0; k < kinds; ++k) out[k] = {bench::median(wall[k]), bench::median(cpu[k])};
   return out;
 }
 

@@ -307,12 +307,12 @@ TEST_CASE("host reduce kernel: the documented rank order at every length, source
                      << ", in place " << in_place);
               std::vector<std::vector<T>> src(n), out(n);
               std::vector<T const*> sp(n);
-              std::vector<T*> dp_(n);
+              std::vector<T*> dsts(n);
               for (std::size_t k = 0; k < n; ++k) {
                 src[k] = inputs<T>(static_cast<unsigned>(len + 7 * shift), static_cast<int>(k), len + shift);
                 out[k].assign(len + shift, T(-1));
                 sp[k] = src[k].data() + shift;
-                dp_[k] = (in_place ? src[k].data() : out[k].data()) + shift;
+                dsts[k] = (in_place ? src[k].data() : out[k].data()) + shift;
               }
               T const scale = dp::detail::avg_scale<T>(static_cast<int>(n));
               std::vector<T> expected(len);
@@ -321,10 +321,10 @@ TEST_CASE("host reduce kernel: the documented rank order at every length, source
                 for (std::size_t k = 1; k < n; ++k) v += sp[k][i];
                 expected[i] = avg ? v * scale : v;
               }
-              dp::detail::reduce_tiles<T>(std::span<T const* const>(sp.data(), n), std::span<T* const>(dp_.data(), n),
+              dp::detail::reduce_tiles<T>(std::span<T const* const>(sp.data(), n), std::span<T* const>(dsts.data(), n),
                                           len, avg, scale);
               for (std::size_t k = 0; k < n; ++k) {
-                std::vector<T> const got(dp_[k], dp_[k] + len);
+                std::vector<T> const got(dsts[k], dsts[k] + len);
                 REQUIRE(same_bits(got, expected));
               }
             }

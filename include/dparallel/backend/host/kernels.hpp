@@ -17,10 +17,11 @@ namespace detail {
 
 // Kernels run per tensor on every step: the message is built only when the check fails.
 inline void check_same(tensor_ref dst, tensor_ref src, char const* what) {
-  if (dst.dtype() == src.dtype() && dst.size() == src.size()) return;
-  throw invalid_argument("dparallel: " + std::string(what) + ": expected views of the same dtype and size, found " +
-                         std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + " and " +
-                         std::to_string(src.size()) + " x " + std::string(name_of(src.dtype())));
+  dparallel::detail::require(dst.dtype() == src.dtype() && dst.size() == src.size(), [&] {
+    return std::string(what) + ": expected views of the same dtype and size, found " + std::to_string(dst.size()) +
+           " x " + std::string(name_of(dst.dtype())) + " and " + std::to_string(src.size()) + " x " +
+           std::string(name_of(src.dtype()));
+  });
 }
 
 /// Calls f(T{}) with T the C++ type of a floating dtype; throws for other dtypes.
