@@ -13,11 +13,17 @@
 //   {"__metadata__": {"key": "value", ...},                      (optional, strings only)
 //    "name": {"dtype": "F32", "shape": [3, 4], "data_offsets": [begin, end]}, ...}
 // padded with spaces; then the data section, where tensor `name` occupies bytes [begin, end)
-// (little-endian, row-major). The reader rejects, with a dparallel::error naming the file and
-// the fault, anything else: a file shorter than its header, a header length above
-// max_safetensors_header, invalid JSON or UTF-8, a dtype dparallel does not know, a shape whose
-// size disagrees with the offsets, offsets outside the data section, overlapping tensors, bytes
-// of the data section no tensor covers, and names that appear twice.
+// (little-endian, row-major). The reader also accepts what the reference implementation accepts
+// where it is harmless: whitespace before '{', "__metadata__": null, keys it does not know, and
+// tensors of safetensors dtypes dparallel does not handle (listed by unsupported(), never read).
+// It rejects, with a dparallel::error naming the file and the fault (input quoted with its
+// control characters escaped), anything else: a file shorter than its header, a header length
+// above max_safetensors_header (100,000,000 bytes), invalid JSON or UTF-8, a dtype that is no
+// safetensors dtype, a shape whose size disagrees with the offsets, offsets outside the data
+// section, overlapping tensors, bytes of the data section no tensor covers, and names that appear
+// twice (see detail/safetensors_header.hpp for why). The header is read in one streaming pass that
+// keeps only names, dtypes, shapes, offsets and metadata, so its memory is a small multiple of its
+// size, and running out of memory is a dparallel::error too.
 //
 // Writes are atomic (see detail::write_file_atomically): a failed save leaves the previous file.
 
@@ -28,6 +34,8 @@
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/detail/atomic_file.hpp>
 #include <dparallel/io/detail/json.hpp>
+#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/io/detail/safetensors_header.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -38,6 +46,7 @@
 #include <initializer_list>
 #include <limits>
 #include <map>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -49,46 +58,6 @@
 
 DPARALLEL_NAMESPACE_BEGIN
 
-/// Largest header the reader accepts (100 MiB, as the reference implementation): a bigger length
-/// field means a corrupt file, not a big model.
-inline constexpr std::uint64_t max_safetensors_header = 100ull * 1024 * 1024;
-
-/// The `__metadata__` of a file: free-form string pairs.
-using safetensors_metadata = std::map<std::string, std::string>;
-
-/// A tensor to save: its name, its data (host memory) and, optionally, its shape. Without a shape
-/// it is saved as a 1-D tensor of data.size() elements.
-struct named_tensor {
-  std::string name;
-  tensor_ref data;
-  std::optional<std::vector<std::uint64_t>> shape{};
-};
-
-/// One tensor as the header of a file describes it.
-struct tensor_info {
-  std::string name;
-  dparallel::dtype type = dtype::f32;
-  std::vector<std::uint64_t> shape;
-  std::uint64_t begin = 0;  ///< first byte, relative to the data section
-  std::uint64_t end = 0;    ///< one past the last byte
-
-  /// Number of elements (the product of the shape; 1 for a scalar).
-  [[nodiscard]] std::uint64_t elements() const noexcept {
-    std::uint64_t n = 1;
-    for (auto d : shape) n *= d;  // validated not to overflow when read
-    return n;
-  }
-  [[nodiscard]] std::uint64_t size_bytes() const noexcept { return end - begin; }
-};
-
-/// The dtype safetensors names `name` ("F32", "BF16", ...), or nothing for a dtype dparallel does
-/// not handle (BOOL, I8, I16, U16, U32, U64, the F8 kinds).
-constexpr std::optional<dtype> dtype_from_name(std::string_view name) noexcept {
-  for (dtype t : {dtype::f32, dtype::f64, dtype::f16, dtype::bf16, dtype::i32, dtype::i64, dtype::u8})
-    if (name_of(t) == name) return t;
-  return std::nullopt;
-}
-
 namespace detail {
 
 inline void require_little_endian() {
@@ -97,171 +66,12 @@ inline void require_little_endian() {
                 "order is not implemented");
 }
 
-inline std::string shape_string(std::vector<std::uint64_t> const& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i != 0 ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-/// a * b, or false when it overflows 64 bits.
-inline bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t& out) noexcept {
-  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
-  out = a * b;
-  return true;
-}
-
-inline std::string single_quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
-
-/// The header JSON of `tensors` (written in the given order, data back to back) and `metadata`,
-/// padded with spaces so that the data section starts at a multiple of 8 bytes. Validates names,
-/// shapes, devices and metadata; `where` names the file in messages.
-inline std::string make_safetensors_header(std::span<named_tensor const> tensors, safetensors_metadata const& metadata,
-                                           std::string const& where) {
-  std::string h = "{";
-  bool first = true;
-  if (!metadata.empty()) {
-    h += "\"__metadata__\":{";
-    bool first_entry = true;
-    for (auto const& [k, v] : metadata) {
-      detail::require(json::valid_utf8(k) && json::valid_utf8(v),
-                      "save " + where + ": expected metadata in UTF-8, found the key " + single_quoted(k) +
-                          " or its value not valid UTF-8");
-      if (!first_entry) h += ',';
-      first_entry = false;
-      json::write_string(h, k);
-      h += ':';
-      json::write_string(h, v);
-    }
-    h += '}';
-    first = false;
-  }
-  std::uint64_t offset = 0;
-  std::unordered_map<std::string_view, std::size_t> seen;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    auto const& t = tensors[i];
-    detail::require(t.name != "__metadata__", "save " + where + ": the tensor name '__metadata__' is reserved by the "
-                                                                "safetensors format; rename the tensor");
-    detail::require(json::valid_utf8(t.name), "save " + where + ": expected tensor names in UTF-8, found tensor " +
-                                                  std::to_string(i) + "'s name not valid UTF-8");
-    auto const [first_at, unique] = seen.emplace(t.name, i);
-    detail::require(unique, "save " + where + ": expected unique tensor names, found " + single_quoted(t.name) +
-                                " at positions " + std::to_string(first_at->second) + " and " + std::to_string(i));
-    detail::require(t.data.device().kind == device_kind::host,
-                    "save " + where + ": tensor " + single_quoted(t.name) + " is in " + to_string(t.data.device()) +
-                        " memory; only host memory can be written: copy it to the host first");
-    detail::require(t.data.size() == 0 || t.data.data() != nullptr,
-                    "save " + where + ": tensor " + single_quoted(t.name) + " has " + std::to_string(t.data.size()) +
-                        " elements and a null data pointer");
-    std::vector<std::uint64_t> const shape = t.shape.value_or(std::vector<std::uint64_t>{t.data.size()});
-    std::uint64_t n = 1;
-    bool ok = true;
-    for (auto d : shape) ok = ok && checked_mul(n, d, n);
-    detail::require(ok && n == t.data.size(), "save " + where + ": tensor " + single_quoted(t.name) + " has shape " +
-                                                  shape_string(shape) + ", which does not hold its " +
-                                                  std::to_string(t.data.size()) + " elements");
-    if (!first) h += ',';
-    first = false;
-    json::write_string(h, t.name);
-    h += ":{\"dtype\":\"";
-    h += name_of(t.data.dtype());
-    h += "\",\"shape\":[";
-    for (std::size_t k = 0; k < shape.size(); ++k) h += (k != 0 ? "," : "") + std::to_string(shape[k]);
-    std::uint64_t const end = offset + t.data.size_bytes();
-    h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(end) + "]}";
-    offset = end;
-  }
-  h += '}';
-  h.append((8 - h.size() % 8) % 8, ' ');
+/// FNV-1a over `n` bytes, continuing from `h`: a fingerprint of a header, to notice a file
+/// rewritten in place while it is read.
+inline std::uint64_t fnv1a(void const* data, std::size_t n, std::uint64_t h = 0xcbf29ce484222325ull) noexcept {
+  auto const* p = static_cast<unsigned char const*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
   return h;
-}
-
-/// Validates a parsed header against a data section of `data_size` bytes; returns the tensors in
-/// file order (by offset) and fills `metadata`.
-inline std::vector<tensor_info> check_safetensors_header(json::value const& root, std::uint64_t data_size,
-                                                         safetensors_metadata& metadata, std::string const& where) {
-  auto fail = [&](std::string const& what) -> error {
-    return error("dparallel: " + where + ": " + what + "; the file is corrupt or not a safetensors file");
-  };
-  if (!root.is_object())
-    throw fail("expected the header to be a JSON object, found " + std::string(json::kind_name(root.type)));
-  std::vector<tensor_info> out;
-  out.reserve(root.members.size());
-  for (auto const& [name, v] : root.members) {
-    if (name == "__metadata__") {
-      if (!v.is_object())
-        throw fail("expected __metadata__ to be an object, found " + std::string(json::kind_name(v.type)));
-      for (auto const& [k, s] : v.members) {
-        if (!s.is_string())
-          throw fail("expected the __metadata__ value of " + single_quoted(k) + " to be a string, found " +
-                     json::kind_name(s.type));
-        metadata.emplace(k, s.text);
-      }
-      continue;
-    }
-    std::string const what = "tensor " + single_quoted(name);
-    if (!v.is_object()) throw fail("expected " + what + " to be an object, found " + json::kind_name(v.type));
-    tensor_info t;
-    t.name = name;
-    json::value const* dt = v.find("dtype");
-    json::value const* shape = v.find("shape");
-    json::value const* offsets = v.find("data_offsets");
-    if (dt == nullptr || shape == nullptr || offsets == nullptr)
-      throw fail("expected " + what + " to have \"dtype\", \"shape\" and \"data_offsets\", found " +
-                 (dt == nullptr ? "no \"dtype\"" : shape == nullptr ? "no \"shape\"" : "no \"data_offsets\""));
-    if (!dt->is_string()) throw fail("expected the dtype of " + what + " to be a string");
-    auto const type = dtype_from_name(dt->text);
-    if (!type)
-      throw error("dparallel: " + where + ": " + what + " has dtype " + single_quoted(dt->text) +
-                  ", which dparallel does not handle (it reads F32, F64, F16, BF16, I32, I64 and U8); convert the "
-                  "tensor before saving it");
-    t.type = *type;
-    if (!shape->is_array()) throw fail("expected the shape of " + what + " to be an array");
-    std::uint64_t n = 1;
-    for (auto const& d : shape->items) {
-      std::uint64_t dim = 0;
-      if (!d.as_u64(dim))
-        throw fail("expected the shape of " + what + " to hold non-negative integers, found '" + d.text + "'");
-      if (!checked_mul(n, dim, n)) throw fail("the shape of " + what + " has more elements than 2^64");
-      t.shape.push_back(dim);
-    }
-    if (!offsets->is_array() || offsets->items.size() != 2 || !offsets->items[0].as_u64(t.begin) ||
-        !offsets->items[1].as_u64(t.end))
-      throw fail("expected the data_offsets of " + what + " to be two non-negative integers [begin, end]");
-    std::uint64_t bytes = 0;
-    if (!checked_mul(n, size_of(t.type), bytes)) throw fail("the shape of " + what + " has more bytes than 2^64");
-    if (t.end < t.begin)
-      throw fail(what + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                 "], which end before they begin");
-    if (t.end > data_size)
-      throw fail(what + " has data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                 "] outside the data section of " + std::to_string(data_size) + " bytes (the file is truncated?)");
-    if (t.end - t.begin != bytes)
-      throw fail(what + " has dtype " + std::string(name_of(t.type)) + " and shape " + shape_string(t.shape) + " (" +
-                 std::to_string(bytes) + " bytes) but data_offsets [" + std::to_string(t.begin) + ", " +
-                 std::to_string(t.end) + "] (" + std::to_string(t.end - t.begin) + " bytes)");
-    out.push_back(std::move(t));
-  }
-  // The tensors must tile the data section: no overlap, no hole, nothing after the last one.
-  std::stable_sort(out.begin(), out.end(), [](tensor_info const& a, tensor_info const& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  std::uint64_t expected = 0;
-  std::string const* previous = nullptr;
-  for (auto const& t : out) {
-    if (t.begin < expected)
-      throw fail("tensor " + single_quoted(t.name) + " (bytes " + std::to_string(t.begin) + " to " +
-                 std::to_string(t.end) + ") overlaps tensor " +
-                 single_quoted(previous != nullptr ? *previous : std::string()));
-    if (t.begin > expected)
-      throw fail("bytes " + std::to_string(expected) + " to " + std::to_string(t.begin) +
-                 " of the data section belong to no tensor");
-    expected = t.end;
-    previous = &t.name;
-  }
-  if (expected != data_size)
-    throw fail("the data section has " + std::to_string(data_size) + " bytes but its tensors cover " +
-               std::to_string(expected));
-  return out;
 }
 
 }  // namespace detail
@@ -273,7 +83,7 @@ inline std::vector<tensor_info> check_safetensors_header(json::value const& root
 inline void save_safetensors(std::filesystem::path const& path, std::span<named_tensor const> tensors,
                              safetensors_metadata const& metadata = {}) {
   detail::require_little_endian();
-  std::string const where = "'" + path.string() + "'";
+  std::string const where = detail::in_quotes(path.string());
   std::string const header = detail::make_safetensors_header(tensors, metadata, where);
   detail::write_file_atomically(path, [&](detail::file_sink& out) {
     unsigned char len[8];
@@ -297,10 +107,11 @@ inline void save_safetensors(std::filesystem::path const& path, std::initializer
 class safetensors_reader {
  public:
   /// Opens `path` and validates its header; throws dparallel::error naming the file and the
-  /// fault when it cannot be read or is not a valid safetensors file.
+  /// fault when it cannot be read or is not a valid safetensors file (running out of memory for
+  /// the header included).
   explicit safetensors_reader(std::filesystem::path path) : path_(std::move(path)) {
     detail::require_little_endian();
-    std::string const where = "'" + path_.string() + "'";
+    std::string const where = detail::in_quotes(path_.string());
     std::error_code ec;
     std::uint64_t const size = std::filesystem::file_size(path_, ec);
     if (ec) throw error("dparallel: could not open " + where + ": " + ec.message());
@@ -323,18 +134,29 @@ class safetensors_reader {
       throw fail("the header length field says " + std::to_string(n) + " bytes but only " + std::to_string(size - 8) +
                  " follow it (the file is truncated?)");
     if (n < 2) throw fail("the header has " + std::to_string(n) + " bytes, too few for a JSON object");
-    std::string header(static_cast<std::size_t>(n), '\0');
-    if (!in_.read(header.data(), static_cast<std::streamsize>(n))) throw fail("could not read the header");
-    if (header.front() != '{') throw fail("expected the header to start with '{'");
     data_offset_ = 8 + n;
-    tensors_ =
-        detail::check_safetensors_header(detail::json::parse(header, where), size - data_offset_, metadata_, where);
-    for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+    size_ = size;
+    try {
+      std::string header(static_cast<std::size_t>(n), '\0');
+      if (!in_.read(header.data(), static_cast<std::streamsize>(n))) throw fail("could not read the header");
+      fingerprint_ = detail::fnv1a(header.data(), header.size(), detail::fnv1a(len, sizeof len));
+      auto parsed = detail::parse_safetensors_header(header, size - data_offset_, where);
+      tensors_ = std::move(parsed.tensors);
+      unsupported_ = std::move(parsed.unsupported);
+      metadata_ = std::move(parsed.metadata);
+      for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
+    } catch (std::bad_alloc const&) {
+      throw error("dparallel: " + where + ": not enough memory to read its header of " + std::to_string(n) +
+                  " bytes (reading it takes a few times its size); free memory or raise the process's limit");
+    }
   }
 
   [[nodiscard]] std::filesystem::path const& path() const noexcept { return path_; }
-  /// The tensors, in the order of their data in the file.
+  /// The tensors dparallel can read, in the order of their data in the file.
   [[nodiscard]] std::vector<tensor_info> const& tensors() const noexcept { return tensors_; }
+  /// The file's tensors of dtypes dparallel does not handle (BOOL, I8, U16, F8_E4M3, ...), in file
+  /// order: validated, never read. A non-strict load skips them (load_result::skipped).
+  [[nodiscard]] std::vector<unsupported_tensor> const& unsupported() const noexcept { return unsupported_; }
   /// The tensor named `name`, or nullptr.
   [[nodiscard]] tensor_info const* find(std::string_view name) const {
     auto const it = index_.find(name);
@@ -346,45 +168,79 @@ class safetensors_reader {
 
   /// Reads tensor `t` into `dst`, which must be host memory of the same dtype and element count.
   void read(tensor_info const& t, tensor_ref dst) const {
-    std::string const where = "'" + path_.string() + "'";
-    detail::require(dst.device().kind == device_kind::host,
-                    "read " + where + ": the destination of tensor '" + t.name + "' is in " + to_string(dst.device()) +
-                        " memory; read into host memory and copy it to the device");
-    detail::require(dst.dtype() == t.type && dst.size() == t.elements(),
-                    "read " + where + ": tensor '" + t.name + "' holds " + std::to_string(t.elements()) +
-                        " elements of " + std::string(name_of(t.type)) + ", the destination " +
-                        std::to_string(dst.size()) + " elements of " + std::string(name_of(dst.dtype())));
+    std::string const where = detail::in_quotes(path_.string());
+    detail::require(dst.device().kind == device_kind::host, [&] {
+      return "read " + where + ": the destination of tensor " + detail::in_quotes(t.name) + " is in " +
+             to_string(dst.device()) + " memory; read into host memory and copy it to the device";
+    });
+    detail::require(dst.dtype() == t.type && dst.size() == t.elements(), [&] {
+      return "read " + where + ": tensor " + detail::in_quotes(t.name) + " holds " + std::to_string(t.elements()) +
+             " elements of " + std::string(name_of(t.type)) + ", the destination " + std::to_string(dst.size()) +
+             " elements of " + std::string(name_of(dst.dtype()));
+    });
     read_bytes(t, dst.data());
   }
 
-  /// The tensor named `name` as a std::vector<T>; throws when it is absent or not of dtype T.
-  template <element T>
-  [[nodiscard]] std::vector<T> read_vector(std::string_view name) const {
-    tensor_info const* t = find(name);
-    detail::require(t != nullptr, "read '" + path_.string() + "': expected a tensor named '" + std::string(name) +
-                                      "', found none");
-    std::vector<T> out(static_cast<std::size_t>(t->elements()));
-    read(*t, tensor_ref(tensor_view<T>(out.data(), out.size())));
-    return out;
-  }
-
- private:
+  /// Reads tensor `t`'s bytes into `dst` (t.size_bytes() bytes of host memory).
   void read_bytes(tensor_info const& t, void* dst) const {
     if (t.size_bytes() == 0) return;
     in_.clear();
     in_.seekg(static_cast<std::streamoff>(data_offset_ + t.begin));
     in_.read(static_cast<char*>(dst), static_cast<std::streamsize>(t.size_bytes()));
     if (!in_ || static_cast<std::uint64_t>(in_.gcount()) != t.size_bytes())
-      throw error("dparallel: '" + path_.string() + "': could not read the " + std::to_string(t.size_bytes()) +
-                  " bytes of tensor '" + t.name + "' (the file changed or was truncated while it was read)");
+      throw error("dparallel: " + detail::in_quotes(path_.string()) + ": could not read the " +
+                  std::to_string(t.size_bytes()) + " bytes of tensor " + detail::in_quotes(t.name) +
+                  " (the file changed or was truncated while it was read)");
   }
 
+  /// Throws dparallel::error when the open file no longer has the size and header it had when it
+  /// was opened (it was truncated or rewritten in place). A file replaced by a rename, as
+  /// dparallel's own saves do, is not this one: the reader keeps reading the file it opened.
+  void verify_unchanged() const {
+    auto changed = [&](std::string const& what) {
+      return error("dparallel: " + detail::in_quotes(path_.string()) + " changed while it was read (" + what +
+                   "); nothing was loaded: load it again once the writer is done");
+    };
+    in_.clear();
+    in_.seekg(0, std::ios::end);
+    auto const now = static_cast<std::uint64_t>(in_.tellg());
+    if (!in_ || now != size_)
+      throw changed("it had " + std::to_string(size_) + " bytes, now " + std::to_string(now));
+    in_.seekg(0);
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    char buf[1 << 14];
+    for (std::uint64_t left = data_offset_; left > 0;) {
+      auto const k = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof buf));
+      if (!in_.read(buf, static_cast<std::streamsize>(k))) throw changed("its header could not be read again");
+      h = detail::fnv1a(buf, k, h);
+      left -= k;
+    }
+    if (h != fingerprint_) throw changed("its header is not the one read when it was opened");
+  }
+
+  /// The tensor named `name` as a std::vector<T>; throws when it is absent or not of dtype T.
+  template <element T>
+  [[nodiscard]] std::vector<T> read_vector(std::string_view name) const {
+    tensor_info const* t = find(name);
+    detail::require(t != nullptr, [&] {
+      return "read " + detail::in_quotes(path_.string()) + ": expected a tensor named " + detail::in_quotes(name) +
+             ", found none";
+    });
+    std::vector<T> out(static_cast<std::size_t>(t->elements()));
+    read(*t, tensor_ref(tensor_view<T>(out.data(), out.size())));
+    return out;
+  }
+
+ private:
   std::filesystem::path path_;
   mutable std::ifstream in_;
   std::vector<tensor_info> tensors_;
+  std::vector<unsupported_tensor> unsupported_;
   std::unordered_map<std::string_view, std::size_t> index_;  // views of the names in tensors_
   safetensors_metadata metadata_;
   std::uint64_t data_offset_ = 0;
+  std::uint64_t size_ = 0;
+  std::uint64_t fingerprint_ = 0;  // of the length field and the header
 };
 
 DPARALLEL_NAMESPACE_END
