@@ -29,6 +29,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/io/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
 
@@ -85,7 +86,7 @@ inline std::uint64_t parse_u64(safetensors_metadata const& meta, std::string con
   }
   if (!ok)
     throw error("dparallel: " + where + ": expected the checkpoint's __metadata__ '" + key +
-                "' to be an unsigned decimal integer, found '" + s + "'");
+                "' to be an unsigned decimal integer below 2^64, found " + in_quotes(s));
   return r;
 }
 }  // namespace detail
@@ -148,18 +149,18 @@ class checkpoint {
   /// Restores the model, the registered tensors and progress() from `path` (in DDP, on every
   /// rank). Strict by default: the file must hold exactly the model's and the registered tensors.
   /// Everything is checked before anything changes: on error, model, tensors and progress() are
-  /// as they were.
+  /// as they were (the tensors are staged and the file checked unchanged first: see state_dict.hpp).
   load_result load(std::filesystem::path const& path, load_options opts = {}) {
     safetensors_reader const file(path);
-    std::string const where = "'" + path.string() + "'";
+    std::string const where = detail::in_quotes(path.string());
     auto const& meta = file.metadata();
     auto const marker = meta.find(std::string(format_key));
     if (marker == meta.end())
       throw error("dparallel: " + where + " is not a dparallel checkpoint (its __metadata__ has no '" +
                   std::string(format_key) + "'); a state dict is loaded with load_state_dict");
     if (marker->second != format_version)
-      throw error("dparallel: " + where + " is a dparallel checkpoint of version '" + marker->second +
-                  "'; this version of dparallel reads version '" + std::string(format_version) + "'");
+      throw error("dparallel: " + where + " is a dparallel checkpoint of version " + detail::in_quotes(marker->second) +
+                  "; this version of dparallel reads version '" + std::string(format_version) + "'");
     training_progress p;
     p.epoch = detail::parse_u64(meta, "epoch", where);
     p.step = detail::parse_u64(meta, "step", where);

@@ -32,18 +32,28 @@
 //
 // Loading checks everything before it changes anything: on error the model is untouched. Names
 // whose shape or dtype differ are an error even when loading non-strictly; the error lists the
-// missing, unexpected and mismatched names together.
+// missing, unexpected and mismatched names together. The tensors are read into a staging buffer
+// first and copied into the model only once every read succeeded and the file's size and header
+// are those it had when it was opened: a file truncated or rewritten in place during the load is
+// an error that leaves the model as it was (the cost: memory for one copy of the loaded tensors
+// and one memory copy of them). Tensors of safetensors dtypes dparallel does not handle (BOOL,
+// I8, U16, F8_*, ...) fail a strict load; a non-strict one skips them and lists them in
+// load_result::skipped.
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/io/detail/staging.hpp>
 #include <dparallel/io/safetensors.hpp>
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <new>
 #include <optional>
 #include <ranges>
 #include <string>
@@ -226,6 +236,9 @@ struct load_options {
 struct load_result {
   std::vector<std::string> missing;     ///< the model's names the file lacks (left unchanged)
   std::vector<std::string> unexpected;  ///< the file's names the model lacks (ignored)
+  /// The file's tensors of a dtype dparallel does not handle (see safetensors_reader::unsupported),
+  /// skipped by a non-strict load (a strict one fails on them).
+  std::vector<std::string> skipped;
 };
 
 namespace detail {
@@ -240,65 +253,95 @@ struct name_mapping {
   std::string prefix;
 };
 
-/// Loads `targets` from `file`: validates names, dtypes and shapes of all first, then reads.
+/// Loads `targets` from `file`: validates names, dtypes and shapes of all first, then reads every
+/// tensor into a staging buffer, checks that the file did not change meanwhile, and only then
+/// copies into the targets, so that any error leaves them unchanged.
 inline load_result load_named(safetensors_reader const& file, std::vector<named_tensor> const& targets,
                               load_options const& opts, name_mapping const& mapping, std::string const& what) {
-  std::string const where = "'" + file.path().string() + "'";
+  std::string const where = in_quotes(file.path().string());
   // The file's tensor for each target (null: missing); file names no target has.
   std::vector<tensor_info const*> source(targets.size(), nullptr);
   std::vector<std::string> unexpected;
   std::unordered_map<std::string_view, std::size_t> target_index;
   for (std::size_t i = 0; i < targets.size(); ++i) target_index.emplace(targets[i].name, i);
   std::unordered_set<std::string_view> file_keys;  // the mapped name of every file tensor considered
-  for (auto const& t : file.tensors()) {
-    std::string_view key = t.name;
+  // The mapped name of a file tensor, or nothing when it does not belong to the targets.
+  auto map_name = [&](std::string const& name) -> std::optional<std::string_view> {
+    std::string_view key = name;
     if (!mapping.prefix.empty()) {
-      if (!key.starts_with(mapping.prefix)) continue;
+      if (!key.starts_with(mapping.prefix)) return std::nullopt;
       key.remove_prefix(mapping.prefix.size());
     }
     // A name the model has as it is matches as it is (a model may name a tensor "module.x");
     // otherwise a leading "module." is dropped.
     if (mapping.strip_module && key.starts_with("module.") && !target_index.contains(key)) key.remove_prefix(7);
     if (!file_keys.insert(key).second)
-      throw error("dparallel: " + where + " holds tensor '" + std::string(key) +
-                  "' twice (with and without the \"module.\" prefix); keep one of them");
-    auto const it = target_index.find(key);
+      throw error("dparallel: " + where + " holds tensor " + in_quotes(key) +
+                  " twice (with and without the \"module.\" prefix); keep one of them");
+    return key;
+  };
+  for (auto const& t : file.tensors()) {
+    auto const key = map_name(t.name);
+    if (!key) continue;
+    auto const it = target_index.find(*key);
     if (it != target_index.end()) source[it->second] = &t;
     else unexpected.push_back(t.name);
   }
   load_result result;
   std::vector<std::string> mismatched;
+  std::vector<bool> unsupported_source(targets.size(), false);  // the file has it in a dtype not handled
+  for (auto const& t : file.unsupported()) {
+    auto const key = map_name(t.name);
+    if (!key) continue;
+    auto const it = target_index.find(*key);
+    if (it == target_index.end()) {
+      result.skipped.push_back(t.name);
+      continue;
+    }
+    auto const& dst = targets[it->second];
+    unsupported_source[it->second] = true;
+    mismatched.push_back(in_quotes(dst.name) + " (the file has " + printable(t.dtype) +
+                         ", a dtype dparallel does not handle; the " + what + " " +
+                         std::string(name_of(dst.data.dtype())) + ")");
+  }
   for (std::size_t i = 0; i < targets.size(); ++i) {
     auto const& dst = targets[i];
     tensor_info const* src = source[i];
     if (src == nullptr) {
-      result.missing.push_back(dst.name);
+      if (!unsupported_source[i]) result.missing.push_back(dst.name);
       continue;
     }
     bool const same_dtype = src->type == dst.data.dtype();
     bool const same_shape = dst.shape ? src->shape == *dst.shape : src->elements() == dst.data.size();
     if (!same_dtype || !same_shape) {
       std::vector<std::uint64_t> const want = dst.shape.value_or(std::vector<std::uint64_t>{dst.data.size()});
-      mismatched.push_back("'" + dst.name + "' (the file has " + std::string(name_of(src->type)) + " " +
+      mismatched.push_back(in_quotes(dst.name) + " (the file has " + std::string(name_of(src->type)) + " " +
                            shape_string(src->shape) + ", the " + what + " " + std::string(name_of(dst.data.dtype())) +
                            " " + shape_string(want) + ")");
     }
-    require(dst.data.device().kind == device_kind::host,
-            "load " + where + ": tensor '" + dst.name + "' is in " + to_string(dst.data.device()) +
-                " memory; load into a host copy and copy it to the device");
+    require(dst.data.device().kind == device_kind::host, [&] {
+      return "load " + where + ": tensor " + in_quotes(dst.name) + " is in " + to_string(dst.data.device()) +
+             " memory; load into a host copy and copy it to the device";
+    });
   }
-  bool const names_fail = opts.strict && (!result.missing.empty() || !unexpected.empty());
+  bool const names_fail = opts.strict && (!result.missing.empty() || !unexpected.empty() || !result.skipped.empty());
   if (names_fail || !mismatched.empty()) {
-    auto list = [](std::vector<std::string> const& v) {
+    auto list = [](std::vector<std::string> const& v, bool escape) {
       std::string s;
-      for (std::size_t i = 0; i < v.size(); ++i) s += (i != 0 ? ", " : "") + v[i];
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        if (i != 0) s.append(", ");
+        s.append(escape ? printable(v[i]) : v[i]);
+      }
       return s;
     };
     std::string msg = "dparallel: could not load " + where + " into the " + what + ":";
-    if (opts.strict && !result.missing.empty()) msg += " missing in the file: " + list(result.missing) + ";";
+    if (opts.strict && !result.missing.empty()) msg += " missing in the file: " + list(result.missing, true) + ";";
     if (opts.strict && !unexpected.empty())
-      msg += " unexpected in the file (the " + what + " has no such tensor): " + list(unexpected) + ";";
-    if (!mismatched.empty()) msg += " shape or dtype mismatch: " + list(mismatched) + ";";
+      msg += " unexpected in the file (the " + what + " has no such tensor): " + list(unexpected, true) + ";";
+    if (opts.strict && !result.skipped.empty())
+      msg += " of a dtype dparallel does not handle (a non-strict load skips them): " + list(result.skipped, true) +
+             ";";
+    if (!mismatched.empty()) msg += " shape or dtype mismatch: " + list(mismatched, false) + ";";
     msg += " nothing was loaded; ";
     msg += mismatched.empty() ? "check that the file belongs to this " + what +
                                     ", or load with {.strict = false} to load the names that match"
@@ -306,8 +349,31 @@ inline load_result load_named(safetensors_reader const& file, std::vector<named_
                                 "check that the file belongs to this " + what + " and convert it if needed";
     throw error(msg);
   }
-  for (std::size_t i = 0; i < targets.size(); ++i)
-    if (source[i] != nullptr) file.read(*source[i], targets[i].data);
+  // Stage, check, then copy: the targets change only when everything was read from an unchanged file.
+  std::uint64_t total = 0;
+  for (auto const* src : source)
+    if (src != nullptr) total += src->size_bytes();
+  std::optional<staging_buffer> staging;
+  try {
+    staging.emplace(static_cast<std::size_t>(total));
+  } catch (std::bad_alloc const&) {
+    throw error("dparallel: could not load " + where + ": not enough memory to stage its " + std::to_string(total) +
+                " bytes of tensors before copying them into the " + what + "; nothing was loaded");
+  }
+  std::uint64_t at = 0;
+  for (auto const* src : source) {
+    if (src == nullptr) continue;
+    file.read_bytes(*src, staging->data() + at);
+    at += src->size_bytes();
+  }
+  file.verify_unchanged();
+  at = 0;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (source[i] == nullptr) continue;
+    auto const n = static_cast<std::size_t>(source[i]->size_bytes());
+    if (n != 0) std::memcpy(targets[i].data.data(), staging->data() + at, n);
+    at += n;
+  }
   result.unexpected = std::move(unexpected);
   return result;
 }

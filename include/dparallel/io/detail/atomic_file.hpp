@@ -4,6 +4,12 @@
 // (an exception from the writer, a full disk, an unwritable directory) leaves the previous file
 // as it was and removes the temporary file.
 //
+// The temporary is named ".<target name>.tmp-<host>-<pid>-<n>". A process killed while writing
+// cannot remove it; the next write of the same target does: it removes every temporary of that
+// target made on this host by a process that no longer exists (a live writer's, another host's
+// and other targets' temporaries are left alone). The replaced file keeps its permission bits
+// and, where the process may set them, its owner and group; a new file gets 0666 minus the umask.
+//
 //   dparallel::detail::write_file_atomically("weights.safetensors", [&](dparallel::detail::file_sink& out) {
 //     out.write(header.data(), header.size());
 //     out.write(tensor.data(), tensor.size_bytes());
@@ -22,10 +28,15 @@
 #include <functional>
 #include <string>
 #include <system_error>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #define DPARALLEL_IO_POSIX 1
 #else
@@ -65,15 +76,69 @@ class file_sink {
   std::uint64_t written_ = 0;
 };
 
-/// A temporary name next to `target`, unique within this process and across processes.
+/// This host's name, as temporary names carry it ("host" when it cannot be read); characters other
+/// than letters, digits, '.' and '_' become '_'.
+inline std::string host_tag() {
+  std::string h = "host";
+#if DPARALLEL_IO_POSIX
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) == 0 && buf[0] != '\0') h = buf;
+#endif
+  for (char& c : h)
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_')) c = '_';
+  return h;
+}
+
+/// The prefix of every temporary name of `target` made on this host: ".<name>.tmp-<host>-".
+inline std::string temporary_prefix(std::filesystem::path const& target) {
+  return "." + target.filename().string() + ".tmp-" + host_tag() + "-";
+}
+
+/// A temporary name next to `target`, unique within this process and across processes and hosts.
 inline std::filesystem::path temporary_sibling(std::filesystem::path const& target) {
   static std::atomic<std::uint64_t> counter{0};
-  std::string name = "." + target.filename().string() + ".tmp-";
+  std::string name = temporary_prefix(target);
 #if DPARALLEL_IO_POSIX
   name += std::to_string(static_cast<long long>(::getpid())) + "-";
 #endif
   name += std::to_string(counter.fetch_add(1));
   return target.parent_path() / name;
+}
+
+/// Removes the temporaries of `target` left on this host by writers that no longer exist (a
+/// process killed during a write). Best effort: errors are ignored.
+inline void remove_stale_temporaries(std::filesystem::path const& target) {
+#if DPARALLEL_IO_POSIX
+  std::string const prefix = temporary_prefix(target);
+  std::filesystem::path const dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;
+  std::vector<std::string> stale;
+  while (dirent const* e = ::readdir(d)) {
+    std::string_view const name = e->d_name;
+    if (!name.starts_with(prefix)) continue;
+    std::string_view rest = name.substr(prefix.size());  // "<pid>-<n>"
+    std::size_t const dash = rest.find('-');
+    if (dash == 0 || dash == std::string_view::npos || dash > 9) continue;
+    long long pid = 0;
+    bool digits = true;
+    for (char c : rest.substr(0, dash)) {
+      digits = digits && c >= '0' && c <= '9';
+      pid = pid * 10 + (c - '0');
+    }
+    for (char c : rest.substr(dash + 1)) digits = digits && c >= '0' && c <= '9';
+    if (!digits || dash + 1 == rest.size() || pid <= 0 || pid == ::getpid()) continue;
+    // kill(pid, 0) fails with ESRCH only when no such process exists (EPERM: it exists).
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) stale.emplace_back(name);
+  }
+  ::closedir(d);
+  for (auto const& name : stale) {
+    std::error_code ignored;
+    std::filesystem::remove(dir / name, ignored);
+  }
+#else
+  (void)target;
+#endif
 }
 
 /// Writes a file atomically: `writer` fills a temporary file in the same directory, which is
@@ -87,13 +152,24 @@ inline void write_file_atomically(std::filesystem::path const& target, std::func
   std::filesystem::path const tmp = temporary_sibling(target);
   std::string const where = "'" + target.string() + "' (through the temporary file '" + tmp.string() + "')";
 
+  remove_stale_temporaries(target);
   std::FILE* f = nullptr;
 #if DPARALLEL_IO_POSIX
-  int const fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  // The replaced file's mode and owner carry over (a file the user made 0600 stays 0600); a new
+  // file gets 0666 minus the umask, as any file the process creates.
+  struct ::stat old {};
+  bool const replacing = ::stat(target.c_str(), &old) == 0 && S_ISREG(old.st_mode);
+  int const fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, replacing ? 0600 : 0666);
   if (fd < 0) {
     int const e = errno;
     throw error("dparallel: could not create a temporary file to write '" + target.string() + "': " + errno_text(e) +
                 "; check that the directory '" + target.parent_path().string() + "' exists and is writable");
+  }
+  if (replacing) {
+    // Owner first (it may clear set-id bits), then the mode; both best effort: an unprivileged
+    // process cannot give a file away, and then the new file is its own.
+    if (::fchown(fd, old.st_uid, old.st_gid) != 0) (void)::fchown(fd, static_cast<uid_t>(-1), old.st_gid);
+    (void)::fchmod(fd, old.st_mode & 07777);
   }
   f = ::fdopen(fd, "wb");
   if (f == nullptr) {
