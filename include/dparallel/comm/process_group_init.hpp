@@ -20,6 +20,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/desync.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/io/detail/printable.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -111,16 +112,16 @@ inline constexpr launcher_vars launchers[] = {
 /// Parses a whole decimal integer in [lo, hi]; `what` names it in the error ("RANK (torchrun-style environment)").
 inline int parse_launch_int(std::string const& text, std::string const& what, long long lo, long long hi,
                             std::string const& hint = {}) {
-  bool ok = !text.empty() && text.size() <= 12;
+  bool ok = !text.empty();
   long long v = 0;
   for (std::size_t i = 0; ok && i < text.size(); ++i) {
     if (text[i] < '0' || text[i] > '9') ok = false;
-    else v = v * 10 + (text[i] - '0');
+    else if (v <= hi) v = v * 10 + (text[i] - '0');  // stops growing once out of range: no overflow
   }
-  if (!ok) launch_fail("expected " + what + " to be a non-negative integer, found '" + text + "'" + hint);
+  if (!ok) launch_fail("expected " + what + " to be a non-negative integer, found " + in_quotes(text) + hint);
   if (v < lo || v > hi)
     launch_fail("expected " + what + " to be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], found " +
-                text + hint);
+                printable(text) + " (out of range)" + hint);
   return static_cast<int>(v);
 }
 

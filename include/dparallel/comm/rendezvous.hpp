@@ -17,13 +17,19 @@
 // that connects twice fail the whole rendezvous, and rank 0 sends its error to every connected
 // peer, so all of them fail with the same message. Peers retry connecting (rank 0 may start
 // later) until the timeout, then fail with a timeout_error naming rank 0 and the last socket error.
-// A connection that does not speak the protocol is dropped and does not count.
+// A connection that does not speak the protocol is dropped and does not count. Rank 0 serves all
+// connections at once (poll): a connection that sends no hello (a port scanner, a health check)
+// is dropped after 5 s without delaying the others, and on a timeout only the ranks that never
+// said hello are blamed. The world size is at most max_rendezvous_world_size; rank 0 allocates
+// per rank as ranks arrive. A peer that receives an announced length above the protocol's limits
+// says what it read and the limit.
 //
 // Errors: invalid_argument for bad options (rank >= world size, port out of range, an address
 // that does not resolve); timeout_error for a rank that never came (naming it) or a master that
 // cannot be reached; comm_error for a wrong world size or duplicate rank (naming the peer).
 
 #include <dparallel/config.hpp>
+#include <dparallel/comm/detail/rendezvous_io.hpp>
 #include <dparallel/core/error.hpp>
 
 #include <arpa/inet.h>
@@ -42,6 +48,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <span>
 #include <string>
 #include <system_error>
@@ -61,167 +68,32 @@ struct rendezvous_options {
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
 };
 
+/// Largest world size tcp_rendezvous accepts (2^20 ranks): rank 0 holds one connection per rank
+/// and allocates for each rank as it arrives, never for the declared world size up front.
+inline constexpr int max_rendezvous_world_size = 1 << 20;
+
 namespace detail::rdv {
 
-using clock = std::chrono::steady_clock;
+/// How long a connection may take to send its whole hello before rank 0 drops it (a real rank
+/// sends it at once; a port scanner or health check sends nothing). Others are served meanwhile.
+inline constexpr std::chrono::seconds hello_timeout{5};
+/// Most connections rank 0 holds that have not finished their hello.
+inline constexpr std::size_t max_pending = 1024;
+
 inline constexpr std::uint32_t magic = 0x44505256;  // "DPRV"
 inline constexpr std::uint32_t version = 1;
 inline constexpr std::uint32_t max_blob = 64u << 20;
 inline constexpr std::uint32_t max_message = 1u << 16;
 
-inline std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
-
 inline std::string where(rendezvous_options const& o) {
   return o.master_addr + ":" + std::to_string(o.master_port);
 }
 
-/// Owns a file descriptor.
-class fd_guard {
- public:
-  fd_guard() = default;
-  explicit fd_guard(int fd) noexcept : fd_(fd) {}
-  fd_guard(fd_guard&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  fd_guard& operator=(fd_guard&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  fd_guard(fd_guard const&) = delete;
-  fd_guard& operator=(fd_guard const&) = delete;
-  ~fd_guard() { reset(); }
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
-  void reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-inline int ms_left(clock::time_point deadline) {
-  auto const ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
-  return static_cast<int>(std::clamp<long long>(ms, 0, 1 << 30));
-}
-
-inline void set_nonblocking(int fd) {
-  int const flags = ::fcntl(fd, F_GETFL, 0);
-  if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-}
-
-/// Sends n bytes before the deadline; on failure returns false and sets `why`.
-inline bool send_all(int fd, void const* data, std::size_t n, clock::time_point deadline, std::string& why) {
-  auto const* p = static_cast<char const*>(data);
-  while (n > 0) {
-    ssize_t const k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k > 0) {
-      p += k;
-      n -= static_cast<std::size_t>(k);
-      continue;
-    }
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
-      why = errno_text(errno);
-      return false;
-    }
-    pollfd pfd{fd, POLLOUT, 0};
-    int const left = ms_left(deadline);
-    if (left == 0 || ::poll(&pfd, 1, left) == 0) {
-      why = "timed out while sending";
-      return false;
-    }
-  }
-  return true;
-}
-
-/// Receives n bytes before the deadline; on failure returns false and sets `why`.
-inline bool recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, std::string& why) {
-  auto* p = static_cast<char*>(data);
-  while (n > 0) {
-    ssize_t const k = ::recv(fd, p, n, 0);
-    if (k > 0) {
-      p += k;
-      n -= static_cast<std::size_t>(k);
-      continue;
-    }
-    if (k == 0) {
-      why = "the connection was closed";
-      return false;
-    }
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      why = errno_text(errno);
-      return false;
-    }
-    pollfd pfd{fd, POLLIN, 0};
-    int const left = ms_left(deadline);
-    if (left == 0 || ::poll(&pfd, 1, left) == 0) {
-      why = "timed out";
-      return false;
-    }
-  }
-  return true;
-}
-
-inline void put_u32(std::vector<std::byte>& out, std::uint32_t v) {
-  std::uint32_t const be = htonl(v);
-  auto const* b = reinterpret_cast<std::byte const*>(&be);
-  out.insert(out.end(), b, b + 4);
-}
-inline void put_bytes(std::vector<std::byte>& out, std::span<std::byte const> b) {
-  put_u32(out, static_cast<std::uint32_t>(b.size()));
-  out.insert(out.end(), b.begin(), b.end());
-}
-inline bool recv_u32(int fd, std::uint32_t& v, clock::time_point deadline, std::string& why) {
-  std::uint32_t be = 0;
-  if (!recv_all(fd, &be, 4, deadline, why)) return false;
-  v = ntohl(be);
-  return true;
-}
-
-/// getaddrinfo for a stream socket; throws invalid_argument naming MASTER_ADDR on failure.
-struct addr_list {
-  addrinfo* head = nullptr;
-  addr_list(std::string const& host, std::string const& port, bool passive, int rank) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = (passive ? AI_PASSIVE : 0) | (port.empty() ? 0 : AI_NUMERICSERV);
-    int const rc = ::getaddrinfo(host.c_str(), port.empty() ? nullptr : port.c_str(), &hints, &head);
-    if (rc != 0 || head == nullptr)
-      throw invalid_argument("dparallel: tcp_rendezvous on rank " + std::to_string(rank) +
-                             ": cannot resolve MASTER_ADDR '" + host + "': " + ::gai_strerror(rc) +
-                             "; set MASTER_ADDR to rank 0's host name or IP address");
-  }
-  addr_list(addr_list const&) = delete;
-  addr_list& operator=(addr_list const&) = delete;
-  ~addr_list() {
-    if (head != nullptr) ::freeaddrinfo(head);
-  }
-};
-
-inline std::string peer_name(sockaddr_storage const& sa) {
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (sa.ss_family == AF_INET) {
-    auto const& a = reinterpret_cast<sockaddr_in const&>(sa);
-    ::inet_ntop(AF_INET, &a.sin_addr, host, sizeof host);
-    port = ntohs(a.sin_port);
-  } else if (sa.ss_family == AF_INET6) {
-    auto const& a = reinterpret_cast<sockaddr_in6 const&>(sa);
-    ::inet_ntop(AF_INET6, &a.sin6_addr, host, sizeof host);
-    port = ntohs(a.sin6_port);
-  }
-  return std::string(host) + ":" + std::to_string(port);
-}
-
 inline void validate(rendezvous_options const& o, bool server, std::size_t blob_size) {
   std::string const who = "dparallel: tcp_rendezvous on rank " + std::to_string(o.rank) + ": ";
-  if (o.world_size < 1)
-    throw invalid_argument(who + "expected a world size >= 1, found " + std::to_string(o.world_size) +
+  if (o.world_size < 1 || o.world_size > max_rendezvous_world_size)
+    throw invalid_argument(who + "expected a world size in [1, " + std::to_string(max_rendezvous_world_size) +
+                           "] (max_rendezvous_world_size), found " + std::to_string(o.world_size) +
                            "; check WORLD_SIZE");
   if (o.rank < 0 || o.rank >= o.world_size)
     throw invalid_argument(who + "expected a rank in [0, " + std::to_string(o.world_size) + "), found " +
@@ -293,110 +165,72 @@ class rendezvous_server {
   [[nodiscard]] int port() const noexcept { return port_; }
 
   /// Accepts world_size - 1 peers and gives each every rank's blob; returns them (index = rank).
+  /// Connections are served concurrently: one that sends nothing (a port scanner, a health check)
+  /// is dropped after detail::rdv::hello_timeout and delays no one.
   std::vector<std::vector<std::byte>> run(std::span<std::byte const> mine) {
     namespace rdv = detail::rdv;
     rdv::validate(opts_, true, mine.size());
     auto const n = static_cast<std::size_t>(opts_.world_size);
-    auto const start = rdv::clock::now();
-    auto const deadline = start + opts_.timeout;
-    std::vector<rdv::fd_guard> peers(n);
-    std::vector<std::string> from(n);
-    std::vector<std::vector<std::byte>> blobs(n);
-    blobs[0].assign(mine.begin(), mine.end());
+    auto const deadline = rdv::clock::now() + opts_.timeout;
+    std::map<int, peer> peers;  // the ranks that said hello, allocated as they arrive
+    peers.emplace(0, peer{rdv::fd_guard(), "rank 0", std::vector<std::byte>(mine.begin(), mine.end())});
+    std::vector<pending> waiting;  // connections still sending their hello
     std::vector<std::string> ignored;
-    std::size_t connected = 1;
 
-    while (connected < n) {
-      int const left = rdv::ms_left(deadline);
-      if (left == 0) {
-        std::vector<int> missing, present{0};
-        for (std::size_t r = 1; r < n; ++r) (peers[r].valid() ? present : missing).push_back(static_cast<int>(r));
-        std::string msg = "rendezvous at " + where() + " timed out after " + std::to_string(opts_.timeout.count()) +
-                          " ms: " + ranks_text(missing) + " never connected (" + ranks_text(present) +
-                          (present.size() == 1 ? " is" : " are") + " here). Start all " + std::to_string(n) +
-                          " ranks with the same MASTER_ADDR and MASTER_PORT and WORLD_SIZE=" + std::to_string(n) +
-                          ", or raise the timeout";
-        if (!ignored.empty()) {
-          msg += "; ignored " + std::to_string(ignored.size()) + " connection(s) that did not speak the protocol:";
-          for (auto const& i : ignored) msg += " " + i;
+    while (peers.size() < n) {
+      auto const now = rdv::clock::now();
+      // Drop connections whose hello is overdue.
+      for (std::size_t i = 0; i < waiting.size();) {
+        if (waiting[i].hello_deadline <= now) {
+          ignored.push_back(waiting[i].name + " (sent " + std::to_string(waiting[i].got) + " bytes of its hello in " +
+                            std::to_string(rdv::hello_timeout.count()) + " s)");
+          waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i));
+        } else {
+          ++i;
         }
-        fail(peers, missing[0], true, msg);
       }
-      pollfd pfd{listen_.get(), POLLIN, 0};
-      if (::poll(&pfd, 1, left) <= 0) continue;
-      sockaddr_storage sa{};
-      socklen_t slen = sizeof sa;
-      rdv::fd_guard conn(::accept(listen_.get(), reinterpret_cast<sockaddr*>(&sa), &slen));
-      if (!conn.valid()) continue;
-      rdv::set_nonblocking(conn.get());
-      std::string const name = rdv::peer_name(sa);
-      // A hello must come quickly; a silent connection is dropped rather than blocking the others.
-      auto const hello_deadline = std::min(deadline, rdv::clock::now() + std::chrono::seconds(10));
-      std::string why;
-      std::uint32_t m = 0, ver = 0, rank = 0, world = 0, blob_len = 0;
-      if (!rdv::recv_u32(conn.get(), m, hello_deadline, why) || m != rdv::magic ||
-          !rdv::recv_u32(conn.get(), ver, hello_deadline, why)) {
-        ignored.push_back(name);
-        continue;
+      if (now >= deadline) fail_timeout(peers, ignored);
+      auto wake = deadline;
+      for (auto const& w : waiting) wake = std::min(wake, w.hello_deadline);
+      std::vector<pollfd> fds;
+      fds.push_back({listen_.get(), POLLIN, 0});
+      for (auto const& w : waiting) fds.push_back({w.fd.get(), POLLIN, 0});
+      int const left = std::max(1, rdv::ms_left(wake));
+      if (::poll(fds.data(), static_cast<nfds_t>(fds.size()), left) <= 0) continue;
+      // Hellos first (indices shift when one completes or fails), then new connections.
+      for (std::size_t i = fds.size(); i-- > 1;) {
+        if (fds[i].revents == 0) continue;
+        pending& w = waiting[i - 1];
+        std::string why;
+        bool const done = read_hello(w, why);
+        if (!why.empty()) {
+          ignored.push_back(w.name + " (" + why + ")");
+          waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
+          continue;
+        }
+        if (!done) continue;
+        pending conn = std::move(w);
+        waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
+        admit(peers, std::move(conn));
       }
-      if (ver != rdv::version) {
-        ignored.push_back(name + " (dparallel rendezvous protocol version " + std::to_string(ver) + ", expected " +
-                          std::to_string(rdv::version) + ")");
-        continue;
-      }
-      if (!rdv::recv_u32(conn.get(), rank, hello_deadline, why) ||
-          !rdv::recv_u32(conn.get(), world, hello_deadline, why) ||
-          !rdv::recv_u32(conn.get(), blob_len, hello_deadline, why) || blob_len > rdv::max_blob) {
-        ignored.push_back(name + " (" + (why.empty() ? "a bad blob length" : why) + ")");
-        continue;
-      }
-      std::vector<std::byte> blob(blob_len);
-      if (blob_len != 0 && !rdv::recv_all(conn.get(), blob.data(), blob_len, hello_deadline, why)) {
-        ignored.push_back(name + " (" + why + ")");
-        continue;
-      }
-      auto const r = static_cast<std::int32_t>(rank);
-      auto const w = static_cast<std::int32_t>(world);
-      if (w != opts_.world_size) {
-        peers.push_back(std::move(conn));  // so that it hears the error too
-        fail(peers, r, false,
-             "rank " + std::to_string(r) + " (from " + name + ") was started with world size " + std::to_string(w) +
-                 ", but rank 0 with world size " + std::to_string(opts_.world_size) +
-                 ": every rank must be given the same WORLD_SIZE");
-      }
-      if (r <= 0 || r >= opts_.world_size) {
-        peers.push_back(std::move(conn));
-        fail(peers, r, false,
-             r == 0 ? "a second rank 0 connected (from " + name +
-                          "): rank 0 is the master itself; every rank needs a distinct RANK"
-                    : "a peer (from " + name + ") announced rank " + std::to_string(r) + ", outside [1, " +
-                          std::to_string(opts_.world_size) + "): check RANK and WORLD_SIZE");
-      }
-      auto const ur = static_cast<std::size_t>(r);
-      if (peers[ur].valid()) {
-        std::string const first = from[ur];
-        peers.push_back(std::move(conn));
-        fail(peers, r, false,
-             "rank " + std::to_string(r) + " connected twice (from " + first + " and from " + name +
-                 "): every rank needs a distinct RANK below WORLD_SIZE=" + std::to_string(opts_.world_size));
-      }
-      peers[ur] = std::move(conn);
-      from[ur] = name;
-      blobs[ur] = std::move(blob);
-      ++connected;
+      if ((fds[0].revents & POLLIN) != 0) accept_all(waiting, ignored);
     }
 
+    std::vector<std::vector<std::byte>> blobs(n);
+    for (auto& [r, p] : peers) blobs[static_cast<std::size_t>(r)] = std::move(p.blob);
     std::vector<std::byte> reply;
     rdv::put_u32(reply, rdv::magic);
     rdv::put_u32(reply, 0);
     rdv::put_u32(reply, static_cast<std::uint32_t>(n));
     for (auto const& b : blobs) rdv::put_bytes(reply, b);
-    auto const send_deadline = rdv::clock::now() + std::min<std::chrono::milliseconds>(opts_.timeout, std::chrono::seconds(30));
-    for (std::size_t r = 1; r < n; ++r) {
+    auto const send_deadline =
+        rdv::clock::now() + std::min<std::chrono::milliseconds>(opts_.timeout, std::chrono::seconds(30));
+    for (auto& [r, p] : peers) {
+      if (r == 0) continue;
       std::string why;
-      if (!rdv::send_all(peers[r].get(), reply.data(), reply.size(), send_deadline, why))
-        throw comm_error(static_cast<int>(r), "dparallel: tcp_rendezvous on rank 0: could not send the result to rank " +
-                                                  std::to_string(r) + " (" + from[r] + "): " + why);
+      if (!rdv::send_all(p.fd.get(), reply.data(), reply.size(), send_deadline, why))
+        throw comm_error(r, "dparallel: tcp_rendezvous on rank 0: could not send the result to rank " +
+                                std::to_string(r) + " (" + p.from + "): " + why);
     }
     return blobs;
   }
@@ -416,8 +250,150 @@ class rendezvous_server {
                             std::to_string(opts_.master_port) + ": " + detail::rdv::errno_text(e));
   }
 
-  // Tells every connected peer, then throws on rank 0.
-  [[noreturn]] void fail(std::vector<detail::rdv::fd_guard>& peers, int culprit, bool timed_out, std::string msg) {
+  struct peer {
+    detail::rdv::fd_guard fd;
+    std::string from;  // its address
+    std::vector<std::byte> blob;
+  };
+  struct pending {
+    pending(detail::rdv::fd_guard f, std::string n, detail::rdv::clock::time_point d)
+        : fd(std::move(f)), name(std::move(n)), hello_deadline(d) {}
+    detail::rdv::fd_guard fd;
+    std::string name;
+    detail::rdv::clock::time_point hello_deadline;
+    unsigned char head[20] = {};  // magic, version, rank, world size, blob length
+    std::size_t got = 0;          // bytes of the hello received
+    std::vector<std::byte> blob;  // grows as the blob arrives
+    [[nodiscard]] std::uint32_t field(int k) const noexcept {
+      std::uint32_t be = 0;
+      std::memcpy(&be, head + 4 * k, 4);
+      return ntohl(be);
+    }
+  };
+
+  void accept_all(std::vector<pending>& waiting, std::vector<std::string>& ignored) {
+    namespace rdv = detail::rdv;
+    for (;;) {
+      sockaddr_storage sa{};
+      socklen_t slen = sizeof sa;
+      rdv::fd_guard conn(::accept(listen_.get(), reinterpret_cast<sockaddr*>(&sa), &slen));
+      if (!conn.valid()) return;  // EAGAIN: none left (or a transient error: poll again)
+      std::string name = rdv::peer_name(sa);
+      if (waiting.size() >= rdv::max_pending) {
+        ignored.push_back(name + " (more than " + std::to_string(rdv::max_pending) + " connections without a hello)");
+        continue;
+      }
+      rdv::set_nonblocking(conn.get());
+      waiting.emplace_back(std::move(conn), std::move(name), rdv::clock::now() + rdv::hello_timeout);
+    }
+  }
+
+  // Reads what has arrived of a hello: true when it is complete; `why` set when the connection
+  // does not speak the protocol or went away.
+  static bool read_hello(pending& w, std::string& why) {
+    namespace rdv = detail::rdv;
+    for (;;) {
+      std::size_t const head_size = sizeof w.head;
+      std::size_t want = 0;
+      void* dst = nullptr;
+      if (w.got < head_size) {
+        want = head_size - w.got;
+        dst = w.head + w.got;
+      } else {
+        std::size_t const blob_len = w.field(4);
+        std::size_t const have = w.got - head_size;
+        if (have == blob_len) return true;
+        want = std::min<std::size_t>(blob_len - have, 1 << 16);
+        w.blob.resize(have + want);  // grows with what arrives, not with what is announced
+        dst = w.blob.data() + have;
+      }
+      ssize_t const k = ::recv(w.fd.get(), dst, want, 0);
+      if (k == 0) {
+        why = "closed after " + std::to_string(w.got) + " bytes of its hello";
+        return false;
+      }
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          if (w.got >= head_size) w.blob.resize(w.got - head_size);
+          return false;
+        }
+        why = rdv::errno_text(errno);
+        return false;
+      }
+      std::size_t const before = w.got;
+      w.got += static_cast<std::size_t>(k);
+      if (before < 4 && w.got >= 4 && w.field(0) != rdv::magic) {
+        why = "not a dparallel rendezvous hello";
+        return false;
+      }
+      if (before < 8 && w.got >= 8 && w.field(1) != rdv::version) {
+        why = "dparallel rendezvous protocol version " + std::to_string(w.field(1)) + ", expected " +
+              std::to_string(rdv::version);
+        return false;
+      }
+      if (before < head_size && w.got >= head_size && w.field(4) > rdv::max_blob) {
+        why = "announced a blob of " + std::to_string(w.field(4)) + " bytes, more than the limit of " +
+              std::to_string(rdv::max_blob);
+        return false;
+      }
+    }
+  }
+
+  // A complete hello: checks it against the others (failing everyone on a conflict) and keeps it.
+  void admit(std::map<int, peer>& peers, pending conn) {
+    auto const r = static_cast<std::int32_t>(conn.field(2));
+    auto const w = static_cast<std::int32_t>(conn.field(3));
+    std::string const& name = conn.name;
+    if (w != opts_.world_size)
+      fail(peers, conn.fd, r, false,
+           "rank " + std::to_string(r) + " (from " + name + ") was started with world size " + std::to_string(w) +
+               ", but rank 0 with world size " + std::to_string(opts_.world_size) +
+               ": every rank must be given the same WORLD_SIZE");
+    if (r <= 0 || r >= opts_.world_size)
+      fail(peers, conn.fd, r, false,
+           r == 0 ? "a second rank 0 connected (from " + name +
+                        "): rank 0 is the master itself; every rank needs a distinct RANK"
+                  : "a peer (from " + name + ") announced rank " + std::to_string(r) + ", outside [1, " +
+                        std::to_string(opts_.world_size) + "): check RANK and WORLD_SIZE");
+    if (auto const it = peers.find(r); it != peers.end())
+      fail(peers, conn.fd, r, false,
+           "rank " + std::to_string(r) + " connected twice (from " + it->second.from + " and from " + name +
+               "): every rank needs a distinct RANK below WORLD_SIZE=" + std::to_string(opts_.world_size));
+    peers.emplace(r, peer{std::move(conn.fd), std::move(conn.name), std::move(conn.blob)});
+  }
+
+  [[noreturn]] void fail_timeout(std::map<int, peer>& peers, std::vector<std::string> const& ignored) {
+    // Only ranks that never said hello are blamed; the ones here are waiting for them.
+    std::vector<int> missing, present;
+    int next = 0;
+    for (auto const& [r, p] : peers) {
+      for (; next < r && missing.size() < 16; ++next) missing.push_back(next);
+      next = r + 1;
+      present.push_back(r);
+    }
+    for (; next < opts_.world_size && missing.size() < 16; ++next) missing.push_back(next);
+    std::size_t const absent = static_cast<std::size_t>(opts_.world_size) - peers.size();
+    std::string text = ranks_text(missing);
+    if (absent > missing.size()) text += " and " + std::to_string(absent - missing.size()) + " more";
+    std::string here = present.size() <= 16 ? ranks_text(present) : std::to_string(present.size()) + " ranks";
+    std::string msg = "rendezvous at " + where() + " timed out after " + std::to_string(opts_.timeout.count()) +
+                      " ms: " + text + (absent == 1 ? " never connected (" : " never connected (") + here +
+                      (present.size() == 1 ? " is" : " are") + " here). Start all " +
+                      std::to_string(opts_.world_size) + " ranks with the same MASTER_ADDR and MASTER_PORT and "
+                      "WORLD_SIZE=" + std::to_string(opts_.world_size) + ", or raise the timeout";
+    if (!ignored.empty()) {
+      msg += "; ignored " + std::to_string(ignored.size()) + " connection(s) that did not speak the protocol:";
+      for (std::size_t i = 0; i < ignored.size() && i < 8; ++i) msg += " " + ignored[i];
+      if (ignored.size() > 8) msg += " ...";
+    }
+    detail::rdv::fd_guard none;
+    fail(peers, none, missing[0], true, msg);
+  }
+
+  // Tells every connected peer (and `extra`, the connection at fault), then throws on rank 0.
+  [[noreturn]] void fail(std::map<int, peer>& peers, detail::rdv::fd_guard& extra, int culprit, bool timed_out,
+                         std::string msg) {
     namespace rdv = detail::rdv;
     if (msg.size() > rdv::max_message) msg.resize(rdv::max_message);
     std::vector<std::byte> reply;
@@ -427,10 +403,12 @@ class rendezvous_server {
     rdv::put_u32(reply, timed_out ? 1 : 0);
     rdv::put_bytes(reply, std::as_bytes(std::span(msg.data(), msg.size())));
     auto const deadline = rdv::clock::now() + std::chrono::seconds(2);
-    for (auto& p : peers) {
+    auto tell = [&](rdv::fd_guard const& fd) {
       std::string why;
-      if (p.valid()) rdv::send_all(p.get(), reply.data(), reply.size(), deadline, why);
-    }
+      if (fd.valid()) rdv::send_all(fd.get(), reply.data(), reply.size(), deadline, why);
+    };
+    for (auto const& [r, p] : peers) tell(p.fd);
+    tell(extra);
     std::string const text = "dparallel: tcp_rendezvous on rank 0: " + msg;
     if (timed_out) throw timeout_error(culprit, text);
     throw comm_error(culprit, text);
@@ -517,11 +495,19 @@ inline std::vector<std::vector<std::byte>> rendezvous_client(rendezvous_options 
     throw comm_error(0, who + "the server at " + rdv::where(opts) +
                             " is not a dparallel rendezvous master (bad magic): check MASTER_ADDR and MASTER_PORT");
   if (!rdv::recv_u32(conn.get(), status, deadline, why)) lost("reading the answer of");
+  auto const too_big = [&](char const* what, std::uint32_t len, std::uint32_t limit) {
+    why = "it announced " + std::string(what) + " of " + std::to_string(len) + " bytes, more than the limit of " +
+          std::to_string(limit) + " (is MASTER_PORT a dparallel rendezvous of the same version?)";
+  };
   if (status != 0) {
     std::uint32_t culprit = 0, timed_out = 0, len = 0;
     if (!rdv::recv_u32(conn.get(), culprit, deadline, why) || !rdv::recv_u32(conn.get(), timed_out, deadline, why) ||
-        !rdv::recv_u32(conn.get(), len, deadline, why) || len > rdv::max_message)
+        !rdv::recv_u32(conn.get(), len, deadline, why))
       lost("reading the error of");
+    if (len > rdv::max_message) {
+      too_big("an error message", len, rdv::max_message);
+      lost("reading the error of");
+    }
     std::string msg(len, '\0');
     if (len != 0 && !rdv::recv_all(conn.get(), msg.data(), len, deadline, why)) lost("reading the error of");
     std::string const text = who + "rank 0 reported: " + msg;
@@ -534,9 +520,14 @@ inline std::vector<std::vector<std::byte>> rendezvous_client(rendezvous_options 
     throw comm_error(0, who + "rank 0 answered with " + std::to_string(n) + " blobs, expected " +
                             std::to_string(opts.world_size));
   std::vector<std::vector<std::byte>> blobs(n);
-  for (auto& b : blobs) {
+  for (std::size_t r = 0; r < blobs.size(); ++r) {
+    auto& b = blobs[r];
     std::uint32_t len = 0;
-    if (!rdv::recv_u32(conn.get(), len, deadline, why) || len > rdv::max_blob) lost("reading the answer of");
+    if (!rdv::recv_u32(conn.get(), len, deadline, why)) lost("reading the answer of");
+    if (len > rdv::max_blob) {
+      too_big(("the blob of rank " + std::to_string(r)).c_str(), len, rdv::max_blob);
+      lost("reading the answer of");
+    }
     b.resize(len);
     if (len != 0 && !rdv::recv_all(conn.get(), b.data(), len, deadline, why)) lost("reading the answer of");
   }
