@@ -54,6 +54,7 @@ class bucketed_reduce {
     return n;
   }
 
+  /// Plans the buckets and checks that every rank planned the same.
   template <class Set>
   void on_construct(Set& s) {
     detail::require(s.group.valid(), "bucketed reduce: expected a process group (use the DDP constructor)");
@@ -69,6 +70,7 @@ class bucketed_reduce {
   // The per-step members below are refilled in place (assign, clear): after the first step's
   // rebuild a step allocates no bucket memory and no bookkeeping. Checks on the per-step path
   // build their message only when they fail.
+  /// Prepares this step's buckets (none under no_sync).
   template <class Set>
   void begin_step(Set& s) {
     std::size_t const n = s.params[0].size();
@@ -85,6 +87,7 @@ class bucketed_reduce {
     first_accumulation_ = accumulated_ == 0;
   }
 
+  /// Gradient `i` is final: copies it into its bucket and starts every bucket that is complete.
   template <class Set>
   void grad_ready(Set& s, int, std::size_t i) {
     if (i >= ready_.size())
@@ -97,6 +100,7 @@ class bucketed_reduce {
     mark(s, i, false);
   }
 
+  /// Starts the buckets still pending, waits for all of them and writes the averaged gradients back.
   template <class Set>
   void finish(Set& s) {
     s.streams[0]->enqueue([this, &s] { finalize(s); });
