@@ -55,7 +55,7 @@ class comm_error : public error {
 /// A wait that did not complete within its timeout.
 class timeout_error : public comm_error {
  public:
-  /// Constructed as comm_error: the rank that did not come in time, and the message.
+  /// Constructed as comm_error: the rank the timeout names, and the message.
   using comm_error::comm_error;
 };
 

@@ -87,7 +87,8 @@ class bucketed_reduce {
     first_accumulation_ = accumulated_ == 0;
   }
 
-  /// Gradient `i` is final: copies it into its bucket and starts every bucket that is complete.
+  /// Gradient `i` is final: marks it ready (copying it into its bucket unless the buckets are views
+  /// of the gradients) and starts, in bucket order, every bucket that is complete.
   template <class Set>
   void grad_ready(Set& s, int, std::size_t i) {
     if (i >= ready_.size())
@@ -100,7 +101,8 @@ class bucketed_reduce {
     mark(s, i, false);
   }
 
-  /// Starts the buckets still pending, waits for all of them and writes the averaged gradients back.
+  /// Enqueues, after the step function, the reduction of the buckets still pending and the wait
+  /// for all of them; the reduced gradients end in the model's gradients.
   template <class Set>
   void finish(Set& s) {
     s.streams[0]->enqueue([this, &s] { finalize(s); });
