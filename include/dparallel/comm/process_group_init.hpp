@@ -39,17 +39,17 @@ DPARALLEL_NAMESPACE_BEGIN
 /// Arguments of init_process_group. Every value left empty is read from the launcher's environment.
 struct init_options {
   /// This process's rank.
-  std::optional<int> rank;
+  std::optional<int> rank{};
   /// Number of processes in the job.
-  std::optional<int> world_size;
+  std::optional<int> world_size{};
   /// Rank among the processes of this node.
-  std::optional<int> local_rank;
+  std::optional<int> local_rank{};
   /// Number of processes on this node.
-  std::optional<int> local_world_size;
+  std::optional<int> local_world_size{};
   /// The rendezvous address and port (used by engines that bootstrap over TCP, e.g. NCCL without MPI).
-  std::optional<std::string> master_addr;
+  std::optional<std::string> master_addr{};
   /// The rendezvous port.
-  std::optional<int> master_port;
+  std::optional<int> master_port{};
   /// How long any collective of the group waits for its peers before failing with timeout_error.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
   /// Compare every collective's fingerprint across ranks before running it (debug; costs one

@@ -53,7 +53,7 @@ DPARALLEL_NAMESPACE_BEGIN
 
 /// Where and who: what tcp_rendezvous needs (see resolve_launch for reading it from the environment).
 struct rendezvous_options {
-  std::string master_addr;  ///< rank 0's host name or address (MASTER_ADDR)
+  std::string master_addr{};  ///< rank 0's host name or address (MASTER_ADDR)
   int master_port = 0;      ///< rank 0's TCP port (MASTER_PORT); rendezvous_server accepts 0 (any free port)
   /// This process's rank.
   int rank = 0;

@@ -172,7 +172,10 @@ inline std::string make_safetensors_header(std::span<named_tensor const> tensors
     h += ":{\"dtype\":\"";
     h += name_of(t.data.dtype());
     h += "\",\"shape\":[";
-    for (std::size_t k = 0; k < shape.size(); ++k) h += (k != 0 ? "," : "") + std::to_string(shape[k]);
+    for (std::size_t k = 0; k < shape.size(); ++k) {  // appended piece by piece: `"," + to_string(..)`
+      if (k != 0) h += ',';                             // trips GCC 12's -Wrestrict at -O3
+      h += std::to_string(shape[k]);
+    }
     std::uint64_t const end = offset + t.data.size_bytes();
     h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(end) + "]}";
     offset = end;
