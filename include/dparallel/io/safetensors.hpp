@@ -151,6 +151,7 @@ class safetensors_reader {
     }
   }
 
+  /// The file this reader reads.
   [[nodiscard]] std::filesystem::path const& path() const noexcept { return path_; }
   /// The tensors dparallel can read, in the order of their data in the file.
   [[nodiscard]] std::vector<tensor_info> const& tensors() const noexcept { return tensors_; }
@@ -162,6 +163,7 @@ class safetensors_reader {
     auto const it = index_.find(name);
     return it == index_.end() ? nullptr : &tensors_[it->second];
   }
+  /// The file's __metadata__ (string to string).
   [[nodiscard]] safetensors_metadata const& metadata() const noexcept { return metadata_; }
   /// Where the data section starts in the file (8 + header length).
   [[nodiscard]] std::uint64_t data_offset() const noexcept { return data_offset_; }

@@ -33,6 +33,7 @@ inline void check(cudaError_t status, char const* what) {
 /// Makes `ordinal` the calling thread's current device and restores the previous one on exit.
 class device_guard {
  public:
+  /// Makes GPU `ordinal` current until the guard is destroyed.
   explicit device_guard(int ordinal) {
     check(cudaGetDevice(&previous_), "cudaGetDevice");
     if (previous_ != ordinal) check(cudaSetDevice(ordinal), "cudaSetDevice", device{device_kind::cuda, ordinal});

@@ -45,15 +45,21 @@ using safetensors_metadata = std::map<std::string, std::string>;
 /// A tensor to save: its name, its data (host memory) and, optionally, its shape. Without a shape
 /// it is saved as a 1-D tensor of data.size() elements.
 struct named_tensor {
+  /// The tensor's name in the file.
   std::string name;
+  /// Its elements.
   tensor_ref data;
+  /// Its shape; without one the tensor is written as [size].
   std::optional<std::vector<std::uint64_t>> shape{};
 };
 
 /// One tensor as the header of a file describes it.
 struct tensor_info {
+  /// The tensor's name in the file.
   std::string name;
+  /// Its dtype.
   dparallel::dtype type = dtype::f32;
+  /// Its shape.
   std::vector<std::uint64_t> shape;
   std::uint64_t begin = 0;  ///< first byte, relative to the data section
   std::uint64_t end = 0;    ///< one past the last byte
@@ -64,12 +70,14 @@ struct tensor_info {
     for (auto d : shape) n *= d;  // validated not to overflow when read
     return n;
   }
+  /// Number of bytes of data.
   [[nodiscard]] std::uint64_t size_bytes() const noexcept { return end - begin; }
 };
 
 /// A tensor of a safetensors dtype dparallel does not handle (BOOL, I8, I16, U16, U32, U64, the F8
 /// kinds, C64): validated like the others, never read.
 struct unsupported_tensor {
+  /// The tensor's name in the file.
   std::string name;
   std::string dtype;  ///< as the file names it ("BOOL", "F8_E4M3", ...)
   std::uint64_t begin = 0;  ///< first byte, relative to the data section
