@@ -210,6 +210,15 @@ class parallel {
     reduce_.on_construct(rs_);
   }
 
+  /// DDP: the same from anything that holds a process group as `group()`, e.g. the rank_context
+  /// that spawn() passes: `parallel<M, ddp> w(m, rank)`.
+  template <class Rank>
+    requires(is_distributed_v<Semantics> && !std::is_convertible_v<Rank const&, process_group> &&
+             requires(Rank const& r) {
+               { r.group() } -> std::convertible_to<process_group const&>;
+             })
+  parallel(Model& model, Rank const& rank, options opts = {}) : parallel(model, process_group(rank.group()), std::move(opts)) {}
+
   parallel(parallel const&) = delete;
   parallel& operator=(parallel const&) = delete;
   parallel(parallel&&) noexcept = default;
