@@ -36,15 +36,16 @@ namespace {
 // (no buckets, no overlap with backward). The communicator sums in rank order either way, so the
 // result is bitwise that of dparallel::ddp's bucketed all-reduce.
 struct per_parameter_all_reduce {
-  template <class Set>
+  template <dparallel::policy_set Set>
   void on_construct(Set& s) {
-    dparallel::detail::require(s.group.valid(), "per_parameter_all_reduce: expected a process group (a DDP bundle)");
+    if (!s.group.valid())
+      throw dparallel::invalid_argument("per_parameter_all_reduce: expected a process group (use it in a DDP bundle)");
   }
-  template <class Set>
+  template <dparallel::policy_set Set>
   void begin_step(Set&) {}
-  template <class Set>
+  template <dparallel::policy_set Set>
   void grad_ready(Set&, int, std::size_t) {}
-  template <class Set>
+  template <dparallel::policy_set Set>
   void finish(Set& s) {
     // Runs on the replica's stream, after its step function: the gradients are final there.
     s.streams[0]->enqueue([&s] {
