@@ -264,7 +264,7 @@ TEST_CASE("ranks with different parameters fail construction on every rank, nami
       throw;
     }
   }));
-  for (auto const& s : seen) CHECK_THAT(s, Catch::Contains("rank 2's parameters 3 has 7 elements"));
+  for (auto const& s : seen) CHECK_THAT(s, Catch::Contains("rank 2's parameter 3 has 7 elements"));
 }
 
 TEST_CASE("buckets are rebuilt once, in the order gradients became ready", "[host][ddp]") {

@@ -24,7 +24,9 @@
 #include <dparallel/policy/bucketed_reduce.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>
+#include <dparallel/policy/replica_set.hpp>
 #include <dparallel/policy/replicate.hpp>
 #include <dparallel/policy/scatter.hpp>
 #include <dparallel/parallel.hpp>
 #include <dparallel/spawn.hpp>
+#include <dparallel/launch.hpp>

@@ -12,11 +12,15 @@
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/profile.hpp>
+#include <dparallel/core/rank_checks.hpp>
+#include <dparallel/core/step_checks.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/detail/replica_set.hpp>
+#include <dparallel/detail/typed_scratch.hpp>
 #include <dparallel/policy/bucketed_reduce.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>
+#include <dparallel/policy/replica_set.hpp>
 #include <dparallel/policy/replicate.hpp>
 #include <dparallel/policy/scatter.hpp>
 
@@ -86,59 +90,6 @@ static_assert(semantics<ddp>);
 template <class S>
 inline constexpr bool is_distributed_v = requires { requires S::distributed; };
 
-namespace detail {
-template <class F, class M, class S>
-concept step_with_context = std::invocable<F&, M&, S, step_context&>;
-template <class F, class M, class S>
-concept step_without_context = std::invocable<F&, M&, S>;
-
-template <class F, class M, class S>
-struct step_result {
-  using type = std::invoke_result_t<F&, M&, S>;
-};
-template <class F, class M, class S>
-  requires step_with_context<F, M, S>
-struct step_result<F, M, S> {
-  using type = std::invoke_result_t<F&, M&, S, step_context&>;
-};
-
-inline bool overlaps(tensor_ref a, tensor_ref b) {
-  auto const* a0 = static_cast<char const*>(a.data());
-  auto const* b0 = static_cast<char const*>(b.data());
-  return a.size() != 0 && b.size() != 0 && a0 < b0 + b.size_bytes() && b0 < a0 + a.size_bytes();
-}
-
-/// Scratch whose type is known only inside one instantiation of step() (it depends on the step
-/// function's output type), kept across steps: get<T>() makes a T the first time and whenever the
-/// previous call asked for another type, and otherwise returns the same T, capacity and all.
-class typed_scratch {
- public:
-  template <class T>
-  T& get() {
-    if (tag_ != &tag_of<T>) {
-      holder_ = std::make_unique<holder<T>>();
-      tag_ = &tag_of<T>;
-    }
-    return static_cast<holder<T>&>(*holder_).value;
-  }
-
- private:
-  struct holder_base {
-    holder_base() = default;
-    holder_base(holder_base const&) = delete;
-    holder_base& operator=(holder_base const&) = delete;
-    virtual ~holder_base() = default;
-  };
-  template <class T>
-  struct holder final : holder_base {
-    T value{};
-  };
-  template <class T>
-  static constexpr char tag_of = 0;  // one address per type
-  std::unique_ptr<holder_base> holder_;
-  void const* tag_ = nullptr;
-};
-}  // namespace detail
 
 /// DataParallel or DistributedDataParallel around a model of the user's type, composed from the policies of
 /// `Semantics` (see docs/design.md). Use the aliases data_parallel and distributed_data_parallel, or name a
@@ -146,6 +97,7 @@ class typed_scratch {
 template <class Model, class Semantics = dp, class Backend = host::backend>
 class parallel {
   static_assert(check_model<Model>());
+  static_assert(policy_set<replica_set<Model, Backend>>, "dparallel: replica_set lost a member of policy_set");
   static_assert(semantics<Semantics>,
                 "dparallel: Semantics must name member types scatter, replicate, reduce and gather that satisfy "
                 "scatter_policy, replicate_policy, reduce_policy and gather_policy (derive from dparallel::dp)");
@@ -218,6 +170,7 @@ class parallel {
     device const dev = opts.local_device.value_or(default_device(group.rank()));
     Backend::check_device(dev);
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
+    registration_ = detail::parameter_registry::instance().add(parameter_refs(model), group.rank());
     rs_.master = &model;
     rs_.devices = {dev};
     rs_.opts = std::move(opts);
@@ -227,8 +180,18 @@ class parallel {
     rs_.compute_done.resize(1);
     rs_.refresh_views();
     replicate_.on_construct(rs_);
+    if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
     reduce_.on_construct(rs_);
   }
+
+  /// DDP: the same from anything that holds a process group as `group()`, e.g. the rank_context
+  /// that spawn() passes: `parallel<M, ddp> w(m, rank)`.
+  template <class Rank>
+    requires(is_distributed_v<Semantics> && !std::is_convertible_v<Rank const&, process_group> &&
+             requires(Rank const& r) {
+               { r.group() } -> std::convertible_to<process_group const&>;
+             })
+  parallel(Model& model, Rank const& rank, options opts = {}) : parallel(model, process_group(rank.group()), std::move(opts)) {}
 
   parallel(parallel const&) = delete;
   parallel& operator=(parallel const&) = delete;
@@ -307,11 +270,22 @@ class parallel {
   /// rethrown here as a dparallel::error naming the device; the wrapper stays usable.
   template <class B, class F>
   auto step(B const& batch, F&& step_fn) {
-    static_assert(check_batch<B>());
-    using shard_type = decltype(slice_batch(batch, 0, 0));
-    static_assert(detail::step_with_context<F, Model, shard_type> || detail::step_without_context<F, Model, shard_type>,
-                  "dparallel: the step function must be callable as f(Model&, Shard, dparallel::step_context&) or "
-                  "f(Model&, Shard), Shard being the batch's slice type");
+    // Each check stops here when it fails, so that its message is the only error.
+    if constexpr (!check_batch<B>()) {
+      return;
+    } else {
+      using shard_type = decltype(slice_batch(batch, 0, 0));
+      if constexpr (!detail::check_step_function<std::remove_cvref_t<F>, Model, shard_type>()) {
+        return;
+      } else {
+        return checked_step<shard_type>(batch, step_fn);
+      }
+    }
+  }
+
+ private:
+  template <class shard_type, class B, class F>
+  auto checked_step(B const& batch, F& step_fn) {
     using out_type = typename detail::step_result<F, Model, shard_type>::type;
 
     if constexpr (is_distributed_v<Semantics>) {
@@ -319,7 +293,8 @@ class parallel {
       try {
         return run_step<out_type, shard_type>(batch, step_fn);
       } catch (std::exception const& e) {
-        rs_.group.abort(std::string("rank ") + std::to_string(rs_.rank()) + " failed in step(): " + e.what());
+        rs_.group.abort(std::string("rank ") + std::to_string(rs_.rank()) + " failed in step(): " +
+                        detail::without_prefix(e.what()));
         throw;
       }
     } else {
@@ -327,7 +302,6 @@ class parallel {
     }
   }
 
- private:
   // One step. In the steady state (after the first step; DDP: after its one bucket rebuild) it
   // allocates nothing through Backend::allocate, and its own lists (views, output slots, step
   // contexts, the policies' tensor lists) are members refilled in place. What still allocates
@@ -566,6 +540,7 @@ class parallel {
   }
 
   detail::replica_set<Model, Backend> rs_;
+  detail::parameter_registry::handle registration_;  // DDP: this wrapper's parameter memory, while it lives
   replicate_type replicate_{};
   reduce_type reduce_{};
   scatter_type scatter_{};

@@ -90,7 +90,7 @@ inline bool spawn_own_failure(std::exception_ptr const& e, int r) {
   } catch (comm_error const&) {
     throw;
   } catch (std::exception const& ex) {
-    std::throw_with_nested(comm_error(r, where + ex.what()));
+    std::throw_with_nested(comm_error(r, where + without_prefix(ex.what())));
   } catch (...) {
     std::throw_with_nested(comm_error(r, where + "an exception not derived from std::exception"));
   }

@@ -207,14 +207,47 @@ struct batch_traits<B, std::enable_if_t<detail::batch_aggregate<B>>> {
   }
 };
 
-/// Compile-time check with a readable message; used by the wrappers' step().
+namespace detail {
+/// The index of the first member of a member tuple that is not a batch (its size when all are).
+template <class Tuple, std::size_t I = 0>
+constexpr std::size_t first_non_batch() {
+  if constexpr (I == std::tuple_size_v<Tuple>) return I;
+  else if constexpr (!batch<std::remove_cvref_t<std::tuple_element_t<I, Tuple>>>) return I;
+  else return first_non_batch<Tuple, I + 1>();
+}
+// False for every argument list: named in a failing static_assert, it makes the compiler print the
+// batch struct, the index of its first member that is not a batch (from 0, in declaration order)
+// and that member's type.
+template <class Batch, std::size_t Index, class Member>
+inline constexpr bool batch_member_is_a_batch = false;
+}  // namespace detail
+
+/// Compile-time check with a readable message; used by the wrappers' step(). A plain struct with a
+/// member that is not a batch is reported naming that member.
 template <class B>
 constexpr bool check_batch() {
-  static_assert(batch<B>,
-                "dparallel: the batch type has no batch_traits: use a tensor_view, std::span, std::vector, a "
-                "tuple/pair or a plain struct of those, or specialise dparallel::batch_traits<B> with static "
-                "size(B const&) and slice(B const&, std::size_t first, std::size_t last)");
-  return batch<B>;
+  constexpr std::size_t bad = [] {
+    if constexpr (!batch<B> && detail::plain_aggregate<B>)
+      return detail::first_non_batch<
+          typename detail::decay_tuple<decltype(detail::members_of(std::declval<B const&>()))>::type>();
+    else
+      return std::size_t{0};
+  }();
+  if constexpr (!batch<B> && detail::plain_aggregate<B> &&
+                bad < detail::aggregate_arity<B>()) {
+    using members = typename detail::decay_tuple<decltype(detail::members_of(std::declval<B const&>()))>::type;
+    static_assert(detail::batch_member_is_a_batch<B, bad, std::tuple_element_t<bad, members>>,
+                  "dparallel: a member of the batch struct is not a batch (the compiler names the struct, the "
+                  "member's index and its type in batch_member_is_a_batch<...>): make it a tensor_view, std::span, "
+                  "std::vector or a tuple/pair/struct of those, or specialise dparallel::batch_traits for its type");
+    return false;
+  } else {
+    static_assert(batch<B>,
+                  "dparallel: the batch type has no batch_traits: use a tensor_view, std::span, std::vector, a "
+                  "tuple/pair or a plain struct of those, or specialise dparallel::batch_traits<B> with static "
+                  "size(B const&) and slice(B const&, std::size_t first, std::size_t last)");
+    return batch<B>;
+  }
 }
 
 DPARALLEL_NAMESPACE_END

@@ -4,6 +4,7 @@
 
 #include <dparallel/config.hpp>
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -25,13 +26,25 @@ class invalid_argument : public error {
   using error::error;
 };
 
+namespace detail {
+/// `what` without its leading "dparallel: " (repeated ones included): for messages that are
+/// nested into another dparallel message, so that each prefix appears once.
+inline std::string without_prefix(std::string what) {
+  constexpr char prefix[] = "dparallel: ";
+  constexpr std::size_t n = sizeof(prefix) - 1;
+  std::size_t at = 0;
+  while (what.compare(at, n, prefix) == 0) at += n;
+  return what.substr(at);
+}
+}  // namespace detail
+
 /// Failure of work that ran on one logical device (the user's step function included).
 /// `device()` is the device index; the original exception is kept as the nested exception.
 class device_error : public error {
  public:
   /// Work on device index `device` failed with message `what`.
   device_error(int device, std::string const& what)
-      : error("dparallel: on device " + std::to_string(device) + ": " + what), device_(device) {}
+      : error("dparallel: on device " + std::to_string(device) + ": " + detail::without_prefix(what)), device_(device) {}
   /// Index of the device where the work failed.
   [[nodiscard]] int device() const noexcept { return device_; }
 

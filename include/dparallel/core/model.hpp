@@ -19,6 +19,9 @@
 #include <cstddef>
 #include <ranges>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -126,16 +129,92 @@ M make_replica(M const& m, device d) {
   else return M(m);
 }
 
-/// Compile-time check with a readable message for each missing piece; used by the wrappers.
+namespace detail {
+// False for every type: named in a failing static_assert, it makes the compiler print the type
+// that parameters() / gradients() returns (e.g. "'parameters_return_type_is_a_range_of_views<
+// std::array<std::vector<float>, 1>>' evaluates to false").
+template <class Returned>
+inline constexpr bool parameters_return_type_is_a_range_of_views = false;
+template <class Returned>
+inline constexpr bool gradients_return_type_is_a_range_of_views = false;
+template <class M>
+concept has_member_parameters = requires(M& m) { m.parameters(); };
+template <class M>
+concept has_traits_parameters = requires(M& m) { model_traits<M>::parameters(m); };
+template <class M>
+concept has_member_gradients = requires(M& m) { m.gradients(); };
+template <class M>
+concept has_traits_gradients = requires(M& m) { model_traits<M>::gradients(m); };
+
+/// Checks one customisation point (parameters or gradients) of M; false when it reported.
+template <class M, bool Parameters>
+constexpr bool check_tensors_point() {
+  constexpr bool good = Parameters ? (member_parameters<M> || traits_parameters<M>)
+                                   : (member_gradients<M> || traits_gradients<M>);
+  if constexpr (good) {
+    return true;
+  } else if constexpr (Parameters && (has_member_parameters<M> || has_traits_parameters<M>)) {
+    using returned = decltype([](M& m) -> decltype(auto) {
+      if constexpr (has_member_parameters<M>) return m.parameters();
+      else return model_traits<M>::parameters(m);
+    }(std::declval<M&>()));
+    static_assert(parameters_return_type_is_a_range_of_views<returned>,
+                  "dparallel: the model's parameters() returns a type that is not a range of tensor views (the "
+                  "compiler names it in parameters_return_type_is_a_range_of_views<...>): wrap each member in "
+                  "dparallel::view, e.g. `return std::array{dparallel::view(w), dparallel::view(b)};`");
+    return false;
+  } else if constexpr (!Parameters && (has_member_gradients<M> || has_traits_gradients<M>)) {
+    using returned = decltype([](M& m) -> decltype(auto) {
+      if constexpr (has_member_gradients<M>) return m.gradients();
+      else return model_traits<M>::gradients(m);
+    }(std::declval<M&>()));
+    static_assert(gradients_return_type_is_a_range_of_views<returned>,
+                  "dparallel: the model's gradients() returns a type that is not a range of tensor views (the "
+                  "compiler names it in gradients_return_type_is_a_range_of_views<...>): wrap each member in "
+                  "dparallel::view, e.g. `return std::array{dparallel::view(gw), dparallel::view(gb)};`");
+    return false;
+  } else {
+    static_assert(!Parameters,
+                  "dparallel: the model type has no parameters: give it a member `parameters()` returning a range "
+                  "of tensor views, or specialise dparallel::model_traits<M> with `static auto parameters(M&)`");
+    static_assert(Parameters,
+                  "dparallel: the model type has no gradients: give it a member `gradients()` returning a range "
+                  "of tensor views, or specialise dparallel::model_traits<M> with `static auto gradients(M&)`");
+    return false;
+  }
+}
+
+template <std::size_t Parameters, std::size_t Gradients>
+inline constexpr bool parameter_and_gradient_counts_match = Parameters == Gradients;
+
+/// The length of a fixed-size range type (std::array and the like), or 0 when it has none.
+template <class R>
+constexpr std::size_t fixed_length() {
+  if constexpr (requires { std::tuple_size<std::remove_cvref_t<R>>::value; })
+    return std::tuple_size<std::remove_cvref_t<R>>::value;
+  else
+    return 0;
+}
+}  // namespace detail
+
+/// Compile-time check with a readable message for each missing or wrong piece; used by the
+/// wrappers.
 template <class M>
 constexpr bool check_model() {
-  static_assert(detail::member_parameters<M> || detail::traits_parameters<M>,
-                "dparallel: the model type has no parameters: give it a member `parameters()` returning a range "
-                "of tensor views, or specialise dparallel::model_traits<M> with `static auto parameters(M&)`");
-  static_assert(detail::member_gradients<M> || detail::traits_gradients<M>,
-                "dparallel: the model type has no gradients: give it a member `gradients()` returning a range "
-                "of tensor views, or specialise dparallel::model_traits<M> with `static auto gradients(M&)`");
-  return model<M>;
+  constexpr bool params = detail::check_tensors_point<M, true>();
+  constexpr bool grads = detail::check_tensors_point<M, false>();
+  if constexpr (params && grads) {
+    using P = decltype(dparallel::parameters(std::declval<M&>()));
+    using G = decltype(dparallel::gradients(std::declval<M&>()));
+    constexpr std::size_t np = detail::fixed_length<P>(), ng = detail::fixed_length<G>();
+    static_assert(np == 0 || ng == 0 || detail::parameter_and_gradient_counts_match<np, ng>,
+                  "dparallel: parameters() and gradients() return std::arrays of different lengths (the compiler "
+                  "names both in parameter_and_gradient_counts_match<parameters, gradients>): give one gradient "
+                  "per parameter, in the same order");
+    return model<M> && (np == 0 || ng == 0 || np == ng);
+  } else {
+    return false;
+  }
 }
 
 /// The parameters of `m` as tensor_refs.

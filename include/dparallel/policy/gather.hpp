@@ -16,7 +16,9 @@ DPARALLEL_NAMESPACE_BEGIN
 
 /// gather_traits<Out>::concat(outs) joins the outputs of the replicas that ran, in device order,
 /// along the batch dimension. Ready for arithmetic values (one entry per replica, like torch's
-/// gather of 0-dim tensors), std::vector<T> and buffer<T>. Specialise it for your own output type.
+/// gather of 0-dim tensors), std::vector<T> and buffer<T>. Specialise it for your own output type
+/// (with `concat(std::vector<Out>&&, device)` to be told options::output_device); without one,
+/// DataParallel returns the outputs as a std::vector<Out>.
 template <class Out, class = void>
 struct gather_traits {};
 
@@ -75,16 +77,24 @@ concept gather_policy = std::semiregular<P> && requires(std::vector<float>&& out
 
 namespace policy {
 
-/// DataParallel: outputs concatenated on options::output_device (host memory on the host backend).
+/// DataParallel: the outputs of the replicas that ran, joined in device order and placed on
+/// options::output_device (default: the first device):
+/// - gather_traits<Out> with `static R concat(std::vector<Out>&&, device)`: called with the output
+///   device, so an output type that lives in device memory is gathered there;
+/// - gather_traits<Out> with `static R concat(std::vector<Out>&&)` (arithmetic values, std::vector,
+///   buffer<T>): host values, joined as they are (host memory is every host device's memory);
+/// - any other Out (say, a struct of metrics): the std::vector<Out> of the outputs, one per
+///   replica that ran, in device order.
 struct concat_outputs {
   /// The outputs joined by gather_traits<Out>::concat.
   template <class Out, class Set>
-  static auto gather(std::vector<Out>&& outs, Set&) {
-    static_assert(gatherable<Out>,
-                  "dparallel: DataParallel cannot concatenate the step function's output type: return an "
-                  "arithmetic value, std::vector<T> or dparallel::buffer<T>, or specialise "
-                  "dparallel::gather_traits<Out> with static concat(std::vector<Out>&&)");
-    return gather_traits<Out>::concat(std::move(outs));
+  static auto gather(std::vector<Out>&& outs, Set& s) {
+    if constexpr (requires { gather_traits<Out>::concat(std::move(outs), s.devices[s.output_slot]); })
+      return gather_traits<Out>::concat(std::move(outs), s.devices[s.output_slot]);
+    else if constexpr (gatherable<Out>)
+      return gather_traits<Out>::concat(std::move(outs));
+    else
+      return std::vector<Out>(std::move(outs));
   }
 };
 static_assert(gather_policy<concat_outputs>);

@@ -146,6 +146,8 @@ inline void verify_across_ranks(process_group const& g, std::vector<tensor_ref> 
                                    std::to_string(counts[static_cast<std::size_t>(r)]) + " " + what +
                                    ", expected rank 0's " + std::to_string(counts[0]) +
                                    "; every rank must build the same model");
+  std::string one(what);  // "parameters" -> "parameter 3"
+  if (!one.empty() && one.back() == 's') one.pop_back();
   std::size_t const n = params.size();
   std::vector<std::int64_t> mine(2 * n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -159,7 +161,7 @@ inline void verify_across_ranks(process_group const& g, std::vector<tensor_ref> 
       auto const at = [&](int rank, std::size_t k) { return all[static_cast<std::size_t>(rank) * 2 * n + k]; };
       bool const same = at(r, 2 * i) == at(0, 2 * i) && at(r, 2 * i + 1) == at(0, 2 * i + 1);
       dparallel::detail::require(
-          same, std::string("DDP: rank ") + std::to_string(r) + "'s " + what + " " + std::to_string(i) + " has " +
+          same, std::string("DDP: rank ") + std::to_string(r) + "'s " + one + " " + std::to_string(i) + " has " +
                     std::to_string(at(r, 2 * i)) + " elements of " +
                     std::string(name_of(static_cast<dtype>(at(r, 2 * i + 1)))) + ", expected rank 0's " +
                     std::to_string(at(0, 2 * i)) + " elements of " +

@@ -1,0 +1,197 @@
+// launch<Semantics>(world, fn): one training function, templated on the bundle, gives the
+// one-device parameters as DataParallel, as DDP over thread ranks, as DDP over a given group, and
+// with a mixed bundle (docs/training-loop.md).
+#include "models.hpp"
+
+#include <dparallel/dparallel.hpp>
+#include <dparallel/launch.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace dpl = dparallel;
+using model = test::chunked<float>;
+
+namespace {
+
+constexpr std::size_t global_batch = 8;
+constexpr float lr = 0.125F;
+
+/// Rows `indices` of `d`, as a dataset of their own.
+test::dataset<float> pick(test::dataset<float> const& d, std::vector<std::size_t> const& indices) {
+  test::dataset<float> out{indices.size(), d.dim, {}, {}};
+  for (std::size_t i : indices) {
+    out.x.insert(out.x.end(), d.x.begin() + static_cast<std::ptrdiff_t>(i * d.dim),
+                 d.x.begin() + static_cast<std::ptrdiff_t>((i + 1) * d.dim));
+    out.y.push_back(d.y[i]);
+  }
+  return out;
+}
+
+/// The training function under test: the same source for every bundle.
+template <class Semantics>
+std::vector<double> train(dpl::world const& w, test::dataset<float> const& data, int epochs,
+                          std::size_t max_steps = 1000) {
+  std::vector<std::vector<double>> per_rank;
+  std::mutex m;
+  dpl::launch<Semantics>(w, [&](auto& s) {
+    model mdl;
+    auto par = s.wrap(mdl);
+    auto plan = s.batches(data.n, {.global_batch = global_batch, .seed = 3});
+    std::size_t steps = 0;
+    for (int e = 0; e < epochs; ++e) {
+      plan.set_epoch(static_cast<std::uint64_t>(e));
+      for (std::size_t j = 0; j < plan.size() && steps < max_steps; ++j, ++steps) {
+        auto const b = pick(data, plan[j]);
+        par.step(b.all(), [](model& r, test::samples<float> shard) { return r.forward_backward(shard); });
+        par.module().sgd(lr);
+      }
+    }
+    std::lock_guard lock(m);
+    per_rank.push_back(test::flat(par.module(), false));
+  });
+  for (auto const& r : per_rank) CHECK(r == per_rank.front());  // every DDP rank holds the same model
+  return per_rank.front();
+}
+
+/// One device, no wrapper, the batches of `replicas` sampler replicas.
+std::vector<double> one_device(test::dataset<float> const& data, int replicas, int epochs,
+                               std::size_t max_steps = 1000) {
+  model mdl;
+  dpl::batch_plan plan(data.n, replicas, 0, replicas, {.global_batch = global_batch, .seed = 3});
+  std::size_t steps = 0;
+  for (int e = 0; e < epochs; ++e) {
+    plan.set_epoch(static_cast<std::uint64_t>(e));
+    for (std::size_t j = 0; j < plan.size() && steps < max_steps; ++j, ++steps) {
+      mdl.forward_backward(pick(data, plan[j]).all());
+      mdl.sgd(lr);
+    }
+  }
+  return test::flat(mdl, false);
+}
+
+struct ddp_from_root_each_step : dpl::ddp {
+  using replicate = dpl::policy::broadcast_each_step;
+};
+
+}  // namespace
+
+TEST_CASE("launch: one training function trains the one-device model as dp, ddp and a mixed bundle",
+          "[host][launch][contract]") {
+  auto const data = test::dataset<float>::make(40, model().dim, 11, true);
+  for (int n : {1, 2, 4}) {
+    INFO("participants = " << n);
+    auto const want = one_device(data, n, 2);
+    auto const w = dpl::world::local(n);
+    // Two epochs of SGD: the parameters leave the small integers, so the modes agree within
+    // rounding (examples/train_generic shows the bitwise case with the MLP's pairwise sums).
+    CHECK(test::rel_error(train<dpl::dp>(w, data, 2), want) <= 1e-5);
+    CHECK(test::rel_error(train<dpl::ddp>(w, data, 2), want) <= 1e-5);
+    CHECK(test::rel_error(train<ddp_from_root_each_step>(w, data, 2), want) <= 1e-5);
+    CHECK(test::rel_error(train<dpl::dp_balanced>(w, data, 2), want) <= 1e-5);
+    // One step on exact data: every sum is exact, so every mode gives the one-device bits.
+    auto const first = one_device(data, n, 1, 1);
+    model untrained;
+    CHECK(first != test::flat(untrained, false));  // the step moved the parameters
+    CHECK(train<dpl::dp>(w, data, 1, 1) == first);
+    CHECK(train<dpl::ddp>(w, data, 1, 1) == first);
+  }
+}
+
+TEST_CASE("launch: DDP over a given process group (world::of) and over listed devices", "[host][launch]") {
+  auto const data = test::dataset<float>::make(32, model().dim, 12, false);
+  auto const want = one_device(data, 2, 1);
+  std::vector<std::vector<double>> got(2);
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    dpl::launch<dpl::ddp>(dpl::world::of(rank), [&](auto& s) {
+      CHECK(s.rank() == rank.rank());
+      CHECK(s.world_size() == 2);
+      CHECK(s.replicas() == 2);
+      model mdl;
+      auto par = s.wrap(mdl);
+      auto plan = s.batches(data.n, {.global_batch = global_batch, .seed = 3});
+      CHECK(plan.samplers().size() == 1);
+      for (std::size_t j = 0; j < plan.size(); ++j) {
+        auto const b = pick(data, plan[j]);
+        par.step(b.all(), [](model& r, test::samples<float> shard) { return r.forward_backward(shard); });
+        par.module().sgd(lr);
+      }
+      got[static_cast<std::size_t>(s.rank())] = test::flat(mdl, false);
+    });
+  });
+  CHECK(got[0] == got[1]);
+  CHECK(test::rel_error(got[0], want) <= 1e-6);
+
+  auto const devs = std::vector<dpl::device>{{dpl::device_kind::host, 3}, {dpl::device_kind::host, 1}};
+  dpl::launch<dpl::ddp>(dpl::world::on(devs), [&](auto& s) {
+    model mdl;
+    auto par = s.wrap(mdl);
+    CHECK(par.devices().front() == devs[static_cast<std::size_t>(s.rank())]);
+  });
+  dpl::launch<dpl::dp>(dpl::world::on(devs), [&](auto& s) {
+    model mdl;
+    auto par = s.wrap(mdl);
+    CHECK(par.devices() == devs);
+    CHECK(s.replicas() == 2);
+    CHECK(s.world_size() == 1);
+  });
+}
+
+TEST_CASE("launch: a batch plan covers the sampler replicas in order; DP's batch is every rank's", "[host][launch]") {
+  for (bool drop_last : {false, true}) {
+    dpl::batch_options const o{.global_batch = 6, .seed = 9, .drop_last = drop_last};
+    dpl::batch_plan const all(23, 3, 0, 3, o);
+    for (std::size_t j = 0; j < all.size(); ++j) {
+      std::vector<std::size_t> joined;
+      for (int r = 0; r < 3; ++r) {
+        dpl::batch_plan const mine(23, 3, r, 1, o);
+        REQUIRE(mine.size() == all.size());
+        auto const part = mine[j];
+        CHECK(part.size() <= 2);
+        joined.insert(joined.end(), part.begin(), part.end());
+      }
+      CHECK(all[j] == joined);
+    }
+    std::set<std::size_t> seen;
+    for (std::size_t j = 0; j < all.size(); ++j)
+      for (std::size_t i : all[j]) seen.insert(i);
+    CHECK(seen.size() == (drop_last ? 21U : 23U));
+  }
+}
+
+TEST_CASE("launch: misuse is reported with what to do", "[host][launch][diagnostics]") {
+  CHECK_THROWS_WITH(dpl::world::local(0), Catch::Contains("at least one participant"));
+  CHECK_THROWS_WITH(dpl::batch_plan(10, 3, 0, 3, {.global_batch = 8}), Catch::Contains("multiple of the 3 replicas"));
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    CHECK_THROWS_WITH(dpl::launch<dpl::dp>(dpl::world::of(rank), [](auto&) {}),
+                      Catch::Contains("DataParallel runs in one process") && Catch::Contains("use a DDP bundle"));
+  });
+  CHECK_THROWS_WITH(dpl::launch<dpl::ddp>(dpl::world::local(2),
+                                          [](auto& s) { (void)s.batches(8, {.global_batch = 4, .replicas = 3}); }),
+                    Catch::Contains("world size 2"));
+}
+
+TEST_CASE("parallel accepts a rank_context wherever it accepts a process_group", "[host][launch]") {
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    model mdl;
+    dpl::distributed_data_parallel<model> ddp(mdl, rank);
+    CHECK(ddp.group().rank() == rank.rank());
+    CHECK(ddp.group().size() == 2);
+  });
+}
+
+TEST_CASE("local_mean weights DataParallel's per-device losses by shard size", "[host][launch]") {
+  auto const data = test::dataset<float>::make(7, model().dim, 13, true);
+  model m;
+  dpl::data_parallel<model> dp(m, dpl::host::devices(3));
+  auto const out = dp.step(data.all(), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+  model ref;
+  double const want = ref.forward_backward(data.all());
+  CHECK(dpl::local_mean(dp, out) == Approx(want).epsilon(1e-6));
+}

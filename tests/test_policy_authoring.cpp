@@ -1,0 +1,124 @@
+// Policies written from scratch against the public interface (policy_set, the policy concepts;
+// docs/writing-policies.md), mixed into bundles, give the one-device results.
+#include "models.hpp"
+
+#include <dparallel/dparallel.hpp>
+#include <dparallel/policy/replica_set.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+#include <vector>
+
+namespace dpl = dparallel;
+using model = test::chunked<float>;
+
+namespace {
+
+/// Scatter: split the batch evenly over every device but the last, which gets no shard (say,
+/// the device that also runs the data loader).
+struct spare_last_device {
+  static std::vector<std::size_t> shard_sizes(std::size_t batch, std::size_t n, dpl::options const&) {
+    std::size_t const used = n > 1 ? n - 1 : 1;
+    std::vector<std::size_t> sizes(n, 0);
+    for (std::size_t i = 0; i < used; ++i) sizes[i] = batch / used + (i < batch % used ? 1 : 0);
+    return sizes;
+  }
+};
+static_assert(dpl::scatter_policy<spare_last_device>);
+
+/// Reduce (DataParallel, host memory): the master's gradient becomes sum_i weight(i) * g_i,
+/// summed from the last active device to the first, on the master's stream once every step
+/// function is done.
+struct reverse_sum_to_master {
+  template <dpl::policy_set Set>
+  void on_construct(Set&) {}
+  template <dpl::policy_set Set>
+  void begin_step(Set&) {}
+  template <dpl::policy_set Set>
+  void grad_ready(Set&, int, std::size_t) {}
+  template <dpl::policy_set Set>
+  void finish(Set& s) {
+    for (std::size_t i = 1; i < s.size(); ++i)
+      if (s.active(i)) s.streams[0]->wait(s.compute_done[i]);
+    s.streams[0]->enqueue([&s] {
+      for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
+        auto const master = s.grads[0][p].template as<float>();
+        std::vector<float> sum(master.size(), 0.0F);
+        for (std::size_t i = s.size(); i-- > 0;) {
+          if (!s.active(i)) continue;
+          auto const g = s.grads[i][p].template as<float>();
+          auto const w = static_cast<float>(s.weight(i));
+          for (std::size_t k = 0; k < sum.size(); ++k) sum[k] += w * g[k];
+        }
+        for (std::size_t k = 0; k < sum.size(); ++k) master[k] = sum[k];
+      }
+    });
+  }
+};
+static_assert(dpl::reduce_policy<reverse_sum_to_master>);
+
+struct dp_spare_last : dpl::dp {
+  using scatter = spare_last_device;
+};
+struct dp_reverse_sum : dpl::dp {
+  using reduce = reverse_sum_to_master;
+};
+struct dp_both : dpl::dp {
+  using scatter = spare_last_device;
+  using reduce = reverse_sum_to_master;
+};
+
+std::vector<double> one_device_gradient(test::dataset<float> const& d) {
+  model m;
+  m.forward_backward(d.all());
+  return test::flat(m, true);
+}
+
+template <class Semantics>
+std::vector<double> gradient(test::dataset<float> const& d, int devices, std::vector<std::size_t>* shards = nullptr) {
+  model m;
+  dpl::parallel<model, Semantics> p(m, dpl::host::devices(devices));
+  p.step(d.all(), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+  if (shards) *shards = p.last_shard_sizes();
+  return test::flat(m, true);
+}
+
+}  // namespace
+
+static_assert(dpl::policy_set<dpl::replica_set<model, dpl::host::backend>>);
+
+TEST_CASE("policies written from scratch give the one-device gradient", "[host][policy][contract]") {
+  // Exact data with 12 samples: shards of 6, 4 or 3 (weights 1/2, 1/3, 1/4 of sums of small
+  // integers) ... 1/3 is not exact, so 2 and 4 active devices are compared bitwise, 3 within 1e-6.
+  auto const data = test::dataset<float>::make(12, model().dim, 31, true);
+  auto const want = one_device_gradient(data);
+  for (int n : {1, 2, 3, 4, 5}) {
+    INFO("devices = " << n);
+    std::vector<std::size_t> shards;
+    auto const spare = gradient<dp_spare_last>(data, n, &shards);
+    REQUIRE(shards.size() == static_cast<std::size_t>(n));
+    if (n > 1) CHECK(shards.back() == 0);
+    CHECK(test::rel_error(spare, want) <= 1e-6);
+    CHECK(test::rel_error(gradient<dp_reverse_sum>(data, n), want) <= 1e-6);
+    CHECK(test::rel_error(gradient<dp_both>(data, n), want) <= 1e-6);
+    std::size_t const active = n > 1 ? static_cast<std::size_t>(n) - 1 : 1;
+    if (active == 1 || active == 2 || active == 4) CHECK(spare == want);
+  }
+}
+
+TEST_CASE("a from-scratch policy trains like the built-in one over steps", "[host][policy][contract]") {
+  auto const data = test::dataset<float>::make(16, model().dim, 32, false);
+  model a, b;
+  dpl::parallel<model, dp_both> custom(a, dpl::host::devices(3));
+  dpl::parallel<model, dpl::dp> builtin(b, dpl::host::devices(2));  // the same shards: 8 and 8
+  for (int step = 0; step < 4; ++step) {
+    custom.step(data.all(), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+    builtin.step(data.all(), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+    CHECK(custom.last_shard_sizes() == std::vector<std::size_t>{8, 8, 0});
+    CHECK(test::flat(a, true) == test::flat(b, true));  // w0*g0 + w1*g1 in either order: one rounding each
+    a.sgd(0.1F);
+    b.sgd(0.1F);
+  }
+  CHECK(test::same_bits(a, b));
+}
