@@ -10,7 +10,8 @@
 //        threads sums its 1/N slice of every device's gradients into the master (what the
 //        replicate and reduce policies do, on N threads);
 //   ddp: the host communicator's all-reduce of DDP's own buckets (sizes taken from the wrapper's
-//        bucket plan), issued together and waited for, on N thread ranks of a fresh group.
+//        bucket plan), issued together and waited for as DDP waits (drain, then each work), on
+//        N thread ranks of a fresh group.
 // overhead = step time - busy wait - data movement: what the library adds per step (thread
 // hand-offs, wake-ups, allocations, bookkeeping, DDP's copies into and out of its buckets).
 //
@@ -198,6 +199,7 @@ double time_ddp_moves(config const& c, std::vector<std::size_t> const& buckets) 
     auto const ur = static_cast<std::size_t>(r);
     std::vector<dp::work> works;
     for (auto& buf : bufs[ur]) works.push_back(comms[ur]->all_reduce(dp::view(buf), dp::reduce_op::avg));
+    comms[ur]->drain();  // as DDP's finalize waits: the caller runs what the comm thread has not started
     for (auto const& wk : works) wk.wait();
   };
   return bench::time_in_lock_step(c.devices, op, 0.02, 3).median;
