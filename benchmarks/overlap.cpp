@@ -30,6 +30,7 @@
 // of the flat gradient buffer: no copies into and out of bucket storage).
 
 #include "bench_util.hpp"
+#include "blas_info.hpp"
 
 #include <dparallel/dparallel.hpp>
 
@@ -265,5 +266,8 @@ int main(int argc, char** argv) {
               "(serial - compute);\n# hidden_limit = (compute + comm - (compute_cpu + comm_cpu) / %.0f hardware threads) / comm: "
               "the most any overlap can hide here.  %s\n",
               cores, bench::load_note().c_str());
+  blas_info::report const blas = blas_info::detect();
+  std::printf("# %s\n", blas_info::summary(blas).c_str());
+  if (auto const w = blas_info::warning(blas); !w.empty()) std::fprintf(stderr, "overlap: %s\n", w.c_str());
   return 0;
 }

@@ -20,6 +20,7 @@
 // over the N MPI processes and writes one CSV that `scaling --mpi FILE` adds to its table.
 
 #include "bench_util.hpp"
+#include "blas_info.hpp"
 #include "fashion_mnist.hpp"
 #include "mlp.hpp"
 
@@ -32,6 +33,7 @@
 #include <barrier>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -53,7 +55,9 @@ char const* const usage =
     "  --reps     rounds; the best is reported (default 3)\n"
     "  --data     folder of the Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --csv      write the table as CSV\n"
-    "  --mpi      CSV written by scaling_mpi (mpirun -np N scaling_mpi --csv FILE): adds DDP over MPI\n";
+    "  --mpi      CSV written by scaling_mpi (mpirun -np N scaling_mpi --csv FILE): adds DDP over MPI\n"
+    "  --torch    a command that runs benchmarks/torch_mlp.py (e.g. 'python3 benchmarks/torch_mlp.py'): the\n"
+    "             mode `torch` (PyTorch on one thread, same model and data) runs it once per round\n";
 
 /// The training set; batch j of size b is rows [(j mod (n / b)) * b, ... + b): the data set in
 /// file order, wrapping around.
@@ -151,6 +155,25 @@ measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks
   return result;
 }
 
+/// PyTorch on one thread (benchmarks/torch_mlp.py, started by `command`): its own timing of the
+/// same steps; the interpreter's start-up and the data loading are not timed.
+measurement run_torch(std::string const& command, std::string const& dir, config const& c, std::size_t b) {
+  std::string const cmd = command + " --data '" + dir + "' --batch " + std::to_string(b) + " --steps " +
+                          std::to_string(c.steps) + " --warmup " + std::to_string(c.warmup) + " --lr " +
+                          bench::fmt("%g", static_cast<double>(c.lr));
+  measurement m;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return m;
+  char line[256];
+  while (std::fgets(line, sizeof line, p) != nullptr)
+    (void)std::sscanf(line, "samples_per_s=%lf cpu_per_sample=%lf", &m.samples_per_s, &m.cpu_per_sample);
+  if (pclose(p) != 0) {
+    std::fprintf(stderr, "scaling: '%s' failed\n", cmd.c_str());
+    return measurement{};
+  }
+  return m;
+}
+
 #endif
 
 std::vector<std::string> split(std::string const& s) {
@@ -175,7 +198,10 @@ int main(int argc, char** argv) {
   std::string const dir = a.str("data", fashion_mnist::default_dir);
   std::string const csv = a.str("csv", "");
   std::string const mpi_csv = a.str("mpi", "");
+  [[maybe_unused]] std::string const torch = a.str("torch", "");
   a.done();
+  blas_info::report const blas = blas_info::detect();
+  if (auto const w = blas_info::warning(blas); !w.empty()) std::fprintf(stderr, "scaling: %s\n", w.c_str());
 
   workload w{fashion_mnist::load(dir, "train")};
 
@@ -234,8 +260,9 @@ int main(int argc, char** argv) {
         if (m == "single") v = run_single(w, c, b, 1);
         else if (m == "dp") v = run_dp(w, c, b, devices);
         else if (m == "ddp") v = run_ddp(w, c, b, devices);
+        else if (m == "torch" && !torch.empty()) v = run_torch(torch, dir, c, b);
         else {
-          std::fprintf(stderr, "scaling: unknown mode '%s' (single, dp, ddp)\n", m.c_str());
+          std::fprintf(stderr, "scaling: unknown mode '%s' (single, dp, ddp; torch with --torch)\n", m.c_str());
           return 2;
         }
         got[{b, m}].push_back(v);
@@ -266,6 +293,7 @@ int main(int argc, char** argv) {
               c.steps, c.warmup, reps, bench::load_note().c_str());
   bench::table t({"batch", "mode", "devices", "samples_per_s", "median_samples_per_s", "speedup", "efficiency", "cores",
                   "cpu_efficiency"});
+  std::vector<std::string> vs_torch;
   for (double bd : batches) {
     auto const b = static_cast<std::size_t>(bd);
     auto const best = [&](std::string const& m) {
@@ -289,13 +317,19 @@ int main(int argc, char** argv) {
              bench::fmt("%.2f", x.cpu_per_sample * x.samples_per_s),
              ref && x.cpu_per_sample > 0 ? bench::fmt("%.3f", single.cpu_per_sample / x.cpu_per_sample) : ""});
     };
-    for (auto const& m : modes) add(m, m == "single" ? 1 : devices, best(m), med(m));
+    for (auto const& m : modes) add(m, m == "single" || m == "torch" ? 1 : devices, best(m), med(m));
+    if (double const th = best("torch").samples_per_s; th > 0) {
+      for (char const* m : {"dp", "ddp"})
+        if (double const x = best(m).samples_per_s; x > 0)
+          vs_torch.push_back(bench::fmt("batch %zu: ", b) + m + bench::fmt(" / torch (1 thread) = %.3f", x / th));
+    }
     if (auto it = mpi.find(b); it != mpi.end())
       add("ddp_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);
   }
   t.print();
   t.write_csv(csv);
-  std::printf("# %s\n", bench::load_note().c_str());
+  for (auto const& line : vs_torch) std::printf("# %s\n", line.c_str());
+  std::printf("# %s\n# %s\n", bench::load_note().c_str(), blas_info::summary(blas).c_str());
   return 0;
 #endif
 }

@@ -86,6 +86,110 @@ TEST_CASE("an error carried by a waited event fails the waiting stream", "[host]
   CHECK_THROWS_AS(b.synchronize(), dp::device_error);
 }
 
+TEST_CASE("a held stream's work waits for synchronize_here, which runs it on the caller, in order",
+          "[host][stream][hold]") {
+  dp::host::stream s(0);
+  s.hold();
+  std::vector<int> seen;
+  std::vector<std::thread::id> where;
+  dp::host::event first;
+  for (int i = 0; i < 100; ++i) {
+    auto e = s.enqueue([&, i] {
+      seen.push_back(i);
+      where.push_back(std::this_thread::get_id());
+    });
+    if (i == 0) first = e;
+  }
+  CHECK_FALSE(first.wait_for(std::chrono::milliseconds(20)));  // the worker was not woken
+  s.synchronize_here();
+  REQUIRE(seen.size() == 100);
+  for (int i = 0; i < 100; ++i) {
+    CHECK(seen[static_cast<std::size_t>(i)] == i);
+    CHECK(where[static_cast<std::size_t>(i)] == std::this_thread::get_id());
+  }
+  CHECK(first.ready());
+  // The hold ended: later work runs on the worker again.
+  std::thread::id later;
+  s.enqueue([&] { later = std::this_thread::get_id(); }).wait();
+  CHECK(later != std::this_thread::get_id());
+}
+
+TEST_CASE("synchronize() after hold() hands the held work to the worker", "[host][stream][hold]") {
+  dp::host::stream s(0);
+  s.hold();
+  std::vector<std::thread::id> where;
+  for (int i = 0; i < 10; ++i) s.enqueue([&] { where.push_back(std::this_thread::get_id()); });
+  s.synchronize();
+  REQUIRE(where.size() == 10);
+  for (auto const& w : where) CHECK(w != std::this_thread::get_id());
+}
+
+TEST_CASE("synchronize_here waits for the task the worker runs, then keeps the order", "[host][stream][hold]") {
+  dp::host::stream s(0);
+  std::promise<void> started, go;
+  auto gate = go.get_future().share();
+  std::vector<int> seen;
+  s.enqueue([&] {
+    started.set_value();
+    gate.wait();
+    seen.push_back(0);
+  });
+  started.get_future().wait();  // the worker holds the first task
+  for (int i = 1; i < 50; ++i) s.enqueue([&, i] { seen.push_back(i); });
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    go.set_value();
+  });
+  s.synchronize_here();
+  release.join();
+  REQUIRE(seen.size() == 50);
+  for (int i = 0; i < 50; ++i) CHECK(seen[static_cast<std::size_t>(i)] == i);
+}
+
+TEST_CASE("synchronize_here reports and clears the sticky error as synchronize does", "[host][stream][hold][error]") {
+  dp::host::stream s(3);
+  s.hold();
+  int ran = 0;
+  auto bad = s.enqueue([] { throw std::runtime_error("held kernel failed"); });
+  auto later = s.enqueue([&] { ++ran; });
+  try {
+    s.synchronize_here();
+    FAIL("synchronize_here must rethrow the stream's error");
+  } catch (dp::device_error const& e) {
+    CHECK(e.device() == 3);
+    CHECK_THAT(e.what(), Catch::Contains("held kernel failed"));
+  }
+  CHECK(ran == 0);  // sticky: later work was skipped
+  CHECK_THROWS_AS(bad.wait(), dp::device_error);
+  CHECK_THROWS_AS(later.wait(), dp::device_error);
+  s.enqueue([&] { ++ran; });
+  s.synchronize_here();  // the error was cleared
+  CHECK(ran == 1);
+}
+
+TEST_CASE("record() of an idle stream is complete; of a busy one, after the work", "[host][stream][event]") {
+  dp::host::stream s(0);
+  CHECK(s.record().ready());
+  std::promise<void> go;
+  auto gate = go.get_future().share();
+  std::atomic<int> value{0};
+  s.enqueue([&] {
+    gate.wait();
+    value = 7;
+  });
+  auto r = s.record();
+  CHECK_FALSE(r.wait_for(std::chrono::milliseconds(20)));
+  go.set_value();
+  r.wait();
+  CHECK(value.load() == 7);
+  // An idle stream holding an error records an event that carries it.
+  s.enqueue([] { throw std::logic_error("y"); });
+  (void)s.record().wait_nothrow();
+  CHECK_THROWS_AS(s.record().wait(), dp::device_error);
+  CHECK_THROWS_AS(s.synchronize(), dp::device_error);
+  CHECK(s.record().ready());
+}
+
 TEST_CASE("host kernels: copy, scale, add_scaled, weighted_sum", "[host][kernels]") {
   std::vector<double> a{1, 2, 3}, b{10, 20, 30}, c(3);
   dp::host::copy(dp::view(c), dp::view(a));

@@ -359,6 +359,9 @@ class parallel {
       step_scratch* scratch;
     } const fr{this, &batch, &step_fn, scratch};
     sync_guard guard{this};
+    // The master's stream keeps its worker asleep: this thread runs its work in synchronize()
+    // below, where it would otherwise only wait (no hand-off, no wake-up on the critical path).
+    if constexpr (requires { rs_.streams[0]->hold(); }) rs_.streams[0]->hold();
     replicate_.before_step(rs_);
     reduce_.begin_step(rs_);
     for (std::size_t i = 0; i < rs_.size(); ++i) {
@@ -493,12 +496,14 @@ class parallel {
                              ", expected the batch size " + std::to_string(total));
   }
 
-  // Waits for every stream; rethrows the first error in device order.
+  // Waits for every stream, running on this thread the work no worker has started (where the
+  // backend's stream can: synchronize_here); rethrows the first error in device order.
   void synchronize() {
     std::exception_ptr first;
     for (auto& s : rs_.streams) {
       try {
-        s->synchronize();
+        if constexpr (requires { s->synchronize_here(); }) s->synchronize_here();
+        else s->synchronize();
       } catch (...) {
         if (!first) first = std::current_exception();
       }

@@ -145,9 +145,11 @@ class communicator {
     return completed_.load(std::memory_order_acquire);
   }
 
-  /// Blocks until every collective issued so far has finished (successfully or not).
+  /// Blocks until every collective issued so far has finished (successfully or not). The
+  /// collectives the communication thread has not started yet run on the calling thread (in
+  /// order, one at a time, as that thread would): a caller that only waits costs no hand-off.
   void drain() {
-    queue_.wait_idle([] {});
+    queue_.help_until_idle([] {});
   }
 
   /// Declares that this rank issues no more collectives: peers waiting for a later one fail at

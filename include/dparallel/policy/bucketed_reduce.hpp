@@ -381,6 +381,11 @@ class bucketed_reduce {
       return;
     }
     accumulated_ = 0;
+    // One blocking wait for every bucket: drain() (the host communicator runs the collectives its
+    // thread has not started on this thread, so no hand-off either); the waits in order (the
+    // first failure is the one reported) then return at once instead of waking this thread once
+    // per bucket.
+    s.group.drain();
     for (auto const& w : works_) w.wait();
     if (!view_ && (!ToRoot || s.group.rank() == 0)) {
       for (std::size_t i = 0; i < n; ++i) {

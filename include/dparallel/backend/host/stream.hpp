@@ -7,7 +7,12 @@
 // - an exception thrown by work becomes the stream's sticky error: later work on the stream is
 //   skipped and its events carry the same error, until synchronize() rethrows and clears it;
 // - an exception from work is reported as a device_error naming the stream's device, with the
-//   original exception nested (std::rethrow_if_nested recovers it).
+//   original exception nested (std::rethrow_if_nested recovers it);
+// - for a caller that enqueues a step's work and then only waits for it (parallel<>'s step),
+//   hold() and synchronize_here() take the worker out of the critical path: work enqueued after
+//   hold() does not wake the worker, and synchronize_here() runs whatever the worker has not
+//   started on the calling thread, in order, with the same error semantics. No hand-off, no
+//   wake-up, when the caller would have blocked anyway.
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
@@ -92,14 +97,30 @@ class stream {
     enqueue([e] { e.wait(); });
   }
 
-  /// An event that completes when all work enqueued so far has finished.
+  /// An event that completes when all work enqueued so far has finished (already complete when
+  /// the stream is idle and holds no error: nothing to queue, nothing for a waiter to wait for).
   event record() {
+    if (queue_.locked([&] { return queue_.pending() == 0 && !error_; })) return event{};
     return enqueue([] {});
   }
 
-  /// Blocks until the queue is drained; rethrows (and clears) the stream's sticky error.
+  /// Blocks until the queue is drained; rethrows (and clears) the stream's sticky error. Ends a
+  /// hold(): the worker runs the held work.
   void synchronize() {
     if (std::exception_ptr e = queue_.wait_idle([&] { return std::exchange(error_, nullptr); }))
+      std::rethrow_exception(e);
+  }
+
+  /// Work enqueued from now on does not wake the worker: the caller promises to call
+  /// synchronize_here() (which runs it) or synchronize() (which wakes the worker) next, and not
+  /// to block on that work in between. Other streams may wait for it meanwhile.
+  void hold() { queue_.hold(); }
+
+  /// synchronize() that runs the work the worker has not started on the calling thread (in
+  /// order, one piece at a time, as the worker would; the work must not rely on running on the
+  /// worker's thread). Ends a hold(); rethrows (and clears) the sticky error.
+  void synchronize_here() {
+    if (std::exception_ptr e = queue_.help_until_idle([&] { return std::exchange(error_, nullptr); }))
       std::rethrow_exception(e);
   }
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""PyTorch's one-thread throughput on the reference workload, for `scaling --modes ...,torch`.
+
+The same model as examples/mlp.hpp (784-512-ReLU-10, softmax cross-entropy, mean over the batch),
+the same data (Fashion-MNIST's training images scaled to [0, 1], global batch j being rows
+[(j mod (n / b)) * b, ... + b)) and plain SGD, on one intra-op thread. Runs --warmup untimed steps,
+then times --steps steps and prints one line: samples_per_s=<float> cpu_per_sample=<float>.
+"""
+
+import argparse
+import gzip
+import os
+import sys
+import time
+
+
+def load(folder):
+    import numpy as np
+
+    with gzip.open(os.path.join(folder, "train-images-idx3-ubyte.gz"), "rb") as f:
+        images = np.frombuffer(f.read(), dtype=np.uint8, offset=16).reshape(-1, 784).astype(np.float32) / 255.0
+    with gzip.open(os.path.join(folder, "train-labels-idx1-ubyte.gz"), "rb") as f:
+        labels = np.frombuffer(f.read(), dtype=np.uint8, offset=8).astype(np.int64)
+    return images, labels
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=0.05)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    images, labels = load(args.data)
+    x_all, y_all = torch.from_numpy(images), torch.from_numpy(labels)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    b, batches = args.batch, x_all.shape[0] // args.batch
+
+    def step(j):
+        start = (j % batches) * b
+        x, y = x_all[start:start + b], y_all[start:start + b]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for j in range(args.warmup):
+        step(j)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for j in range(args.warmup, args.warmup + args.steps):
+        step(j)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    samples = args.steps * b
+    print(f"samples_per_s={samples / wall:.3f} cpu_per_sample={cpu / samples:.9g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
