@@ -376,3 +376,38 @@ TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory in ord
     CHECK(k == batches.size());
   }
 }
+
+TEST_CASE("CUDA device_guard leaves a thread without a context on the GPU it chose", "[cuda][device]") {
+  int const gpus = dpl::cuda::device_count();
+  int const target = gpus - 1;  // GPU 1 when there are two or more: then GPU 0 must stay untouched
+  int after = -1;
+  bool before_context = true, after_context = false;
+  std::thread([&] {
+    before_context = dpl::cuda::detail::has_current_context();
+    { dpl::cuda::device_guard g(target); }
+    after_context = dpl::cuda::detail::has_current_context();
+    (void)cudaGetDevice(&after);
+  }).join();
+  CHECK_FALSE(before_context);
+  CHECK(after_context);
+  CHECK(after == target);  // not "restored" to the device 0 that cudaGetDevice reported before
+  // A thread that chose a device gets it back.
+  std::thread([&] {
+    dpl::cuda::check(cudaSetDevice(target), "cudaSetDevice");
+    { dpl::cuda::device_guard g(0); }
+    (void)cudaGetDevice(&after);
+  }).join();
+  CHECK(after == target);
+}
+
+TEST_CASE("CUDA stream events are recorded on the stream's GPU whatever the work left current", "[cuda][stream]") {
+  int const gpus = dpl::cuda::device_count();
+  dpl::cuda::stream s(dpl::device{dpl::device_kind::cuda, 0, 0});
+  auto const e = s.enqueue([gpus] { dpl::cuda::check(cudaSetDevice(gpus - 1), "cudaSetDevice"); });
+  CHECK_NOTHROW(e.wait());
+  auto const timed = s.enqueue_timed([] { busy(dpl::cuda::current_stream(), 5); });
+  s.synchronize();
+  REQUIRE(timed.gpu_elapsed().has_value());
+  CHECK(timed.gpu_elapsed()->count() > 0);
+  CHECK_FALSE(e.gpu_elapsed().has_value());  // untimed work has no GPU time
+}

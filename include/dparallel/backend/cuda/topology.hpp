@@ -47,6 +47,7 @@ constexpr bool needs_staging(int here, int there) noexcept {
 struct staging_plan {
   std::vector<std::size_t> offset;  ///< per view: its place in the staging buffer, or npos when read in place
   std::size_t bytes = 0;            ///< the staging buffer's size
+  /// The offset of a view that is read in place.
   static constexpr std::size_t npos = static_cast<std::size_t>(-1);
 };
 
