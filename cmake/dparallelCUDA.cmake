@@ -7,7 +7,15 @@
 # CMAKE_CUDA_ARCHITECTURES defaults to 75;80;86;89;90 (Turing to Hopper) when not set.
 include_guard(GLOBAL)
 
-set(DPARALLEL_CUDA AUTO CACHE STRING "Build the CUDA/NCCL add-ons: AUTO (when found), ON (required), OFF")
+# As a subproject (add_subdirectory, FetchContent) the default is OFF: the consumer's project gets
+# no CUDA language, no NCCL probe and no CMAKE_CUDA_ARCHITECTURES unless it sets DPARALLEL_CUDA.
+if(PROJECT_IS_TOP_LEVEL)
+  set(_dparallel_cuda_default AUTO)
+else()
+  set(_dparallel_cuda_default OFF)
+endif()
+set(DPARALLEL_CUDA ${_dparallel_cuda_default} CACHE STRING
+    "Build the CUDA/NCCL add-ons: AUTO (when found), ON (required), OFF (default as a subproject)")
 set_property(CACHE DPARALLEL_CUDA PROPERTY STRINGS AUTO ON OFF)
 set(DPARALLEL_HAVE_CUDA FALSE)
 set(DPARALLEL_HAVE_NCCL FALSE)

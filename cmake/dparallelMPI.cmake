@@ -12,6 +12,13 @@
 #                                                as root on machines with fewer cores than ranks)
 include_guard(GLOBAL)
 
+# As a subproject (add_subdirectory, FetchContent) MPI is not probed unless the consumer asks.
+option(DPARALLEL_MPI "Look for MPI and define dparallel::mpi (default: ON when top level)" ${PROJECT_IS_TOP_LEVEL})
+if(NOT DPARALLEL_MPI)
+  message(STATUS "dparallel: DPARALLEL_MPI=OFF: MPI is not probed (dparallel::mpi is not defined)")
+  return()
+endif()
+
 set(_dparallel_mpi_preexisting FALSE)
 if(TARGET MPI::MPI_CXX)
   set(_dparallel_mpi_preexisting TRUE)

@@ -3,6 +3,7 @@
 # installed. As root it installs what is missing; otherwise it prints the apt-get line and fails.
 dparallel_packages=(
   cmake g++ make pkg-config
+  doxygen                # the API reference and its test (docs:api_reference)
   catch2                 # the test framework (Catch2 2.x)
   libopenblas-dev        # the example model's GEMM
   libopenmpi-dev openmpi-bin  # MPI process groups (dparallel::mpi, its tests, train_mlp --comm mpi)

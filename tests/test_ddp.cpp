@@ -1,4 +1,4 @@
-// DDP on the host backend with thread ranks: the contracts of DESIGN.md section 4 as equalities.
+// DDP on the host backend with thread ranks: the contracts of docs/design.md ("The four contracts") as equalities.
 #include "models.hpp"
 
 #include <dparallel/comm/host.hpp>

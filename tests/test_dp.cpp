@@ -1,4 +1,4 @@
-// DataParallel on the host backend: the contracts of DESIGN.md section 4 as equalities.
+// DataParallel on the host backend: the contracts of docs/design.md ("The four contracts") as equalities.
 #include "dp_contracts.hpp"
 #include "threads.hpp"
 

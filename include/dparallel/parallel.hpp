@@ -44,9 +44,13 @@ concept semantics = scatter_policy<typename S::scatter> && replicate_policy<type
 /// gradients are summed shard-weighted onto the master, the outputs are concatenated.
 /// Derive from it and replace a member type to mix policies.
 struct dp {
+  /// torch.chunk split of the global batch.
   using scatter = policy::split_batch;
+  /// The master's parameters copied to every replica before each step.
   using replicate = policy::replicate_each_step;
+  /// Shard-weighted gradients summed onto the master.
   using reduce = policy::reduce_to_master;
+  /// Outputs concatenated in device order.
   using gather = policy::concat_outputs;
 };
 static_assert(semantics<dp>);
@@ -55,6 +59,7 @@ static_assert(semantics<dp>);
 /// for devices of unequal speed. Results equal the one-device gradient, but shard sizes depend
 /// on timing, so runs are reproducible only up to rounding.
 struct dp_balanced : dparallel::dp {
+  /// Shard sizes that follow each device's measured speed.
   using scatter = policy::auto_balance;
 };
 static_assert(semantics<dp_balanced>);
@@ -64,10 +69,15 @@ static_assert(semantics<dp_balanced>);
 /// parameters broadcast at construction, gradients averaged by a bucketed all-reduce overlapped
 /// with backward, outputs left local. `distributed` selects the process-group constructor.
 struct ddp {
+  /// Marks a bundle whose wrappers span a process group (see is_distributed_v).
   static constexpr bool distributed = true;
+  /// Each rank's replica takes the whole batch it is given.
   using scatter = policy::no_scatter;
+  /// Rank 0's parameters broadcast at construction.
   using replicate = policy::broadcast_from_root;
+  /// Bucketed all-reduce, averaged over the ranks, overlapped with backward.
   using reduce = policy::bucketed_all_reduce;
+  /// Each rank's output returned as it is.
   using gather = policy::local_output;
 };
 static_assert(semantics<ddp>);
@@ -130,6 +140,9 @@ class typed_scratch {
 };
 }  // namespace detail
 
+/// DataParallel or DistributedDataParallel around a model of the user's type, composed from the policies of
+/// `Semantics` (see docs/design.md). Use the aliases data_parallel and distributed_data_parallel, or name a
+/// bundle of your own.
 template <class Model, class Semantics = dp, class Backend = host::backend>
 class parallel {
   static_assert(check_model<Model>());
@@ -138,12 +151,19 @@ class parallel {
                 "scatter_policy, replicate_policy, reduce_policy and gather_policy (derive from dparallel::dp)");
 
  public:
+  /// The wrapped model type.
   using model_type = Model;
+  /// The bundle of policies.
   using semantics_type = Semantics;
+  /// The backend (host::backend, cuda::backend).
   using backend_type = Backend;
+  /// The bundle's scatter policy.
   using scatter_type = typename Semantics::scatter;
+  /// The bundle's replicate policy.
   using replicate_type = typename Semantics::replicate;
+  /// The bundle's reduce policy.
   using reduce_type = typename Semantics::reduce;
+  /// The bundle's gather policy.
   using gather_type = typename Semantics::gather;
 
   /// Wraps `model` (by reference: it must outlive the wrapper) over `devices`; devices[0] holds
@@ -212,12 +232,15 @@ class parallel {
 
   parallel(parallel const&) = delete;
   parallel& operator=(parallel const&) = delete;
+  /// Moves the wrapper; the moved-from wrapper must not be used.
   parallel(parallel&&) noexcept = default;
+  /// Moves the wrapper; the moved-from wrapper must not be used.
   parallel& operator=(parallel&&) noexcept = default;
   ~parallel() = default;
 
   /// The master model: the user's optimizer updates it between steps.
   [[nodiscard]] Model& module() noexcept { return *rs_.master; }
+  /// The master model.
   [[nodiscard]] Model const& module() const noexcept { return *rs_.master; }
   /// The model that runs on devices()[i] (replica(0) is module()).
   [[nodiscard]] Model const& replica(std::size_t i) const { return *rs_.models.at(i); }
@@ -227,12 +250,15 @@ class parallel {
   [[nodiscard]] reduce_type const& reducer() const noexcept { return reduce_; }
   /// DDP: this rank's process group.
   [[nodiscard]] process_group const& group() const noexcept { return rs_.group; }
+  /// The local devices; devices()[0] holds the master.
   [[nodiscard]] std::vector<device> const& devices() const noexcept { return rs_.devices; }
+  /// Where gathered outputs land (options::output_device, default the first device).
   [[nodiscard]] device output_device() const noexcept { return rs_.devices[rs_.output_slot]; }
   /// Shard sizes of the last step, one per device (0 = the device received no shard).
   [[nodiscard]] std::vector<std::size_t> const& last_shard_sizes() const noexcept { return rs_.shard_sizes; }
   /// The scatter policy object (e.g. policy::auto_balance's rates and smoothing).
   [[nodiscard]] scatter_type& scatterer() noexcept { return scatter_; }
+  /// The scatter policy object.
   [[nodiscard]] scatter_type const& scatterer() const noexcept { return scatter_; }
 
   /// Where the time of the last step that succeeded went (see step_profile for the phases). Always
@@ -241,6 +267,7 @@ class parallel {
   /// The steps recorded since construction or reset_profile(): profile().mean() is the mean step,
   /// format_profile(profile()) a table of it.
   [[nodiscard]] profile_summary const& profile() const noexcept { return profile_; }
+  /// Forgets the recorded steps; profile() starts again.
   void reset_profile() noexcept { profile_.reset(); }
   /// Tells the wrapper how long the training loop waited for the next batch (e.g. a prefetching
   /// loader's last wait). The time noted since the previous step is reported as data_wait of the
@@ -253,6 +280,7 @@ class parallel {
   /// RAII scope returned by no_sync().
   class [[nodiscard]] no_sync_scope {
    public:
+    /// Turns synchronisation off on `p` until the scope ends.
     explicit no_sync_scope(parallel& p) : p_(&p), previous_(p.rs_.sync) { p.rs_.sync = false; }
     no_sync_scope(no_sync_scope const&) = delete;
     no_sync_scope& operator=(no_sync_scope const&) = delete;

@@ -42,11 +42,16 @@ struct spawn_options {
 /// What a spawned rank knows about itself: its rank, the world size and its process group.
 class rank_context {
  public:
+  /// The context of the rank `group` belongs to.
   explicit rank_context(process_group group) : group_(std::move(group)) {}
 
+  /// This rank.
   [[nodiscard]] int rank() const { return group_.rank(); }
+  /// Number of ranks.
   [[nodiscard]] int world_size() const { return group_.size(); }
+  /// This rank's process group.
   [[nodiscard]] process_group& group() noexcept { return group_; }
+  /// This rank's process group.
   [[nodiscard]] process_group const& group() const noexcept { return group_; }
 
  private:

@@ -108,7 +108,7 @@ elseif(MODE STREQUAL "include_path")
   set(exe "${WORK_DIR}/consumer")
   separate_arguments(flags UNIX_COMMAND "${CXX_FLAGS}")
   run("compiling the consumer with -I" "${CXX_COMPILER}" -std=c++20 ${flags} "-I${WORK_DIR}/copy/include"
-      "${CONSUMER_DIR}/main.cpp" -pthread -o "${exe}")
+      "${CONSUMER_DIR}/main.cpp" "${CONSUMER_DIR}/files.cpp" -pthread -o "${exe}")
   run("running the consumer" "${exe}")
   message(STATUS "[${MODE}] ${last_output}")
 

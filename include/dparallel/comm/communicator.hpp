@@ -142,6 +142,7 @@ class process_group {
     impl_ = std::make_shared<detail::communicator_model<C>>(std::move(c));
   }
 
+  /// False for a default-constructed (empty) group.
   [[nodiscard]] bool valid() const noexcept { return impl_ != nullptr; }
 
   /// This rank, in [0, size()).
@@ -149,8 +150,11 @@ class process_group {
   /// Number of ranks in the group.
   [[nodiscard]] int size() const { return get().size(); }
 
+  /// In place: every rank ends with the reduction of all ranks' `t` (see communicator).
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) const { return get().all_reduce(t, op); }
+  /// In place: the reduction of all ranks' `t` lands in rank `root`'s `t`.
   work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) const { return get().reduce(t, root, op); }
+  /// Every rank's `t` becomes rank `root`'s `t`.
   work broadcast(tensor_ref t, int root) const { return get().broadcast(t, root); }
   /// `out` has n elements, `in` size()*n; `out` may be in's block rank() (in place) or disjoint from `in`.
   work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) const {
@@ -158,6 +162,7 @@ class process_group {
   }
   /// `in` has n elements, `out` size()*n; `in` may be out's block rank() (in place) or disjoint from `out`.
   work all_gather(tensor_ref out, tensor_ref in) const { return get().all_gather(out, in); }
+  /// Completes once every rank has issued it.
   work barrier() const { return get().barrier(); }
   /// Every pending and future wait on every rank fails with a comm_error naming this rank and `why`.
   void abort(std::string why) const { get().abort(std::move(why)); }

@@ -131,6 +131,7 @@ inline std::optional<std::string> desync_report(std::vector<std::int64_t> const&
 /// dparallel::communicator; share it through process_group (with_desync_detection does).
 class desync_detector {
  public:
+  /// Wraps `inner`; every rank of `inner` must wrap it (the checks are collectives).
   explicit desync_detector(process_group inner) : inner_(std::move(inner)) {
     dparallel::detail::require(inner_.valid(), "with_desync_detection: expected a process group, found an empty one");
     rank_ = inner_.rank();
@@ -160,33 +161,44 @@ class desync_detector {
     worker_.join();
   }
 
+  /// This rank.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
 
+  /// all_reduce after the ranks' calls were compared (see communicator).
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
     return issue({dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0}, t, {});
   }
+  /// reduce after the ranks' calls were compared.
   work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
     return issue({dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root}, t, {});
   }
+  /// broadcast after the ranks' calls were compared.
   work broadcast(tensor_ref t, int root) {
     return issue({dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(), reduce_op::sum, root}, t,
                  {});
   }
+  /// reduce_scatter after the ranks' calls were compared.
   work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) {
     return issue({dparallel::detail::comm_kind::reduce_scatter, out.dtype(), out.size(), in.size(), op, 0}, out, in);
   }
+  /// all_gather after the ranks' calls were compared.
   work all_gather(tensor_ref out, tensor_ref in) {
     return issue({dparallel::detail::comm_kind::all_gather, in.dtype(), in.size(), out.size(), reduce_op::sum, 0}, out,
                  in);
   }
+  /// barrier after the ranks' calls were compared.
   work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
 
   /// Aborts the wrapped group: every pending and future wait of every rank fails.
   void abort(std::string why) { inner_.abort(std::move(why)); }
 
+  /// The wrapped group's timeout.
   [[nodiscard]] std::chrono::milliseconds timeout() const { return inner_.timeout(); }
+  /// Sets the wrapped group's timeout.
   void set_timeout(std::chrono::milliseconds t) { inner_.set_timeout(t); }
+  /// Number of collectives this wrapper has finished.
   [[nodiscard]] std::uint64_t completed_ops() const noexcept { return completed_.load(std::memory_order_acquire); }
   /// Blocks until every collective issued so far has finished (successfully or not).
   void drain() {

@@ -49,6 +49,7 @@ namespace host {
 /// neither copyable nor movable (its thread refers to it); share it through process_group.
 class communicator {
  public:
+  /// Rank `rank` of `group`; use make_group or make_communicators instead.
   communicator(std::shared_ptr<dparallel::detail::host_group> group, int rank, std::chrono::milliseconds timeout)
       : group_(std::move(group)), rank_(rank), timeout_ms_(timeout.count()), queue_([this](task& t) { run(t); }) {}
   communicator(communicator const&) = delete;
@@ -68,9 +69,12 @@ class communicator {
     queue_.stop();
   }
 
+  /// This rank.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return group_->size(); }
 
+  /// See communicator: in place, summed in rank order.
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0};
     check_tensor(c, t, "t");
@@ -78,6 +82,7 @@ class communicator {
     return issue(c, t, {});
   }
 
+  /// See communicator: in place onto `root`, summed in rank order.
   work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root};
     check_tensor(c, t, "t");
@@ -86,6 +91,7 @@ class communicator {
     return issue(c, t, {});
   }
 
+  /// See communicator.
   work broadcast(tensor_ref t, int root) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(),
                                    reduce_op::sum, root};
@@ -115,12 +121,14 @@ class communicator {
     return issue(c, out, in);
   }
 
+  /// See communicator.
   work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
 
   /// Fails every pending and future collective of every rank with a comm_error naming this rank
   /// and `why`. The first failure of a group wins; later aborts change nothing.
   void abort(std::string why) { group_->abort(rank_, why); }
 
+  /// How long a collective waits for its peers before failing with timeout_error.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
     return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
   }

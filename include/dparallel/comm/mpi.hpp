@@ -121,6 +121,7 @@ enum class reduction : std::uint8_t {
 
 /// Options of an MPI communicator; the timeout is separate (constructor argument, set_timeout).
 struct options {
+  /// How F32/F64 sums are computed: rank_order (default) or MPI's own.
   reduction reduce = reduction::rank_order;
   /// Accept device (CUDA) memory and hand it to MPI as is: only with a CUDA-aware MPI. Device
   /// buffers take MPI's own reductions (sum only: avg needs a kernel dparallel does not run here).
@@ -1366,6 +1367,7 @@ namespace mpi {
 /// Every rank of `parent` must construct it (it is a collective), in the same order.
 class communicator {
  public:
+  /// Duplicates `parent`; waits at most `timeout` for peers in each collective.
   explicit communicator(MPI_Comm parent = MPI_COMM_WORLD,
                         std::chrono::milliseconds timeout = std::chrono::seconds(300), options opts = {})
       : engine_(dparallel::detail::mpi_engine::instance()),
@@ -1401,15 +1403,19 @@ class communicator {
     engine_->wake();
   }
 
+  /// This rank in the duplicated communicator.
   [[nodiscard]] int rank() const noexcept { return state_->rank(); }
+  /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return state_->size(); }
 
+  /// See communicator: in place, in rank order unless options::reduce says native.
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0};
     check_tensor(c, t, "t");
     check_reducible(c, t);
     return issue(c, t, {});
   }
+  /// See communicator: in place onto `root`.
   work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root};
     check_tensor(c, t, "t");
@@ -1417,6 +1423,7 @@ class communicator {
     check_root(c);
     return issue(c, t, {});
   }
+  /// See communicator.
   work broadcast(tensor_ref t, int root) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(),
                                    reduce_op::sum, root};
@@ -1443,6 +1450,7 @@ class communicator {
     check_blocks(c, in, out, "in", "out");
     return issue(c, out, in);
   }
+  /// See communicator.
   work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
 
   /// Fails every pending and future collective of every rank with a comm_error naming this rank
@@ -1452,6 +1460,7 @@ class communicator {
     engine_->wake();
   }
 
+  /// How long a collective waits for its peers before failing with timeout_error.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout(); }
   /// Applies to the collectives issued after the call.
   void set_timeout(std::chrono::milliseconds t) {
@@ -1464,6 +1473,7 @@ class communicator {
   /// Blocks until every collective issued so far has finished (successfully or not).
   void drain() { state_->drain(); }
 
+  /// The options this communicator was made with.
   [[nodiscard]] options const& opts() const noexcept { return state_->opts(); }
 
  private:

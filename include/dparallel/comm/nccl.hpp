@@ -127,26 +127,35 @@ class communicator {
     (void)cudaStreamDestroy(stream_);
   }
 
+  /// This rank.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// The GPU this rank's collectives run on.
   [[nodiscard]] device gpu() const noexcept { return dev_; }
+  /// The underlying NCCL communicator.
   [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
+  /// How long a collective waits before the communicator is aborted with a timeout_error.
   [[nodiscard]] std::chrono::milliseconds timeout() const {
     std::lock_guard lock(m_);
     return timeout_;
   }
+  /// Applies to the collectives issued after the call.
   void set_timeout(std::chrono::milliseconds t) {
     std::lock_guard lock(m_);
     timeout_ = t;
   }
+  /// Number of collectives this rank has finished (successfully or not).
   [[nodiscard]] std::uint64_t completed_ops() const noexcept { return completed_.load(); }
 
+  /// See communicator (ncclAllReduce on this rank's stream).
   work all_reduce(tensor_ref t, reduce_op op) {
     check_reduction(t, op, "all_reduce");
     return launch("all_reduce", t, t, [&](void const* in, void* out, ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(in, out, t.size(), to_nccl(t.dtype()), nccl_op(op), c, s);
     });
   }
+  /// See communicator (ncclReduce).
   work reduce(tensor_ref t, int root, reduce_op op) {
     check_reduction(t, op, "reduce");
     check_root(root, "reduce");
@@ -154,6 +163,7 @@ class communicator {
       return ncclReduce(in, out, t.size(), to_nccl(t.dtype()), nccl_op(op), root, c, s);
     });
   }
+  /// See communicator (ncclBroadcast).
   work broadcast(tensor_ref t, int root) {
     (void)to_nccl(t.dtype());
     check_root(root, "broadcast");
@@ -161,6 +171,7 @@ class communicator {
       return ncclBroadcast(in, out, t.size(), to_nccl(t.dtype()), root, c, s);
     });
   }
+  /// See communicator (ncclReduceScatter).
   work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op) {
     check_reduction(in, op, "reduce_scatter");
     check_sizes(out, in, "reduce_scatter");
@@ -168,6 +179,7 @@ class communicator {
       return ncclReduceScatter(src, dst, out.size(), to_nccl(in.dtype()), nccl_op(op), c, s);
     });
   }
+  /// See communicator (ncclAllGather).
   work all_gather(tensor_ref out, tensor_ref in) {
     (void)to_nccl(in.dtype());
     check_sizes(in, out, "all_gather");
@@ -175,6 +187,7 @@ class communicator {
       return ncclAllGather(src, dst, in.size(), to_nccl(in.dtype()), c, s);
     });
   }
+  /// See communicator.
   work barrier() {
     std::int32_t one = 1;
     tensor_ref const t(&one, 1, dtype::i32);

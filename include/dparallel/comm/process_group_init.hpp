@@ -38,13 +38,18 @@ DPARALLEL_NAMESPACE_BEGIN
 
 /// Arguments of init_process_group. Every value left empty is read from the launcher's environment.
 struct init_options {
-  std::optional<int> rank;
-  std::optional<int> world_size;
-  std::optional<int> local_rank;
-  std::optional<int> local_world_size;
+  /// This process's rank.
+  std::optional<int> rank{};
+  /// Number of processes in the job.
+  std::optional<int> world_size{};
+  /// Rank among the processes of this node.
+  std::optional<int> local_rank{};
+  /// Number of processes on this node.
+  std::optional<int> local_world_size{};
   /// The rendezvous address and port (used by engines that bootstrap over TCP, e.g. NCCL without MPI).
-  std::optional<std::string> master_addr;
-  std::optional<int> master_port;
+  std::optional<std::string> master_addr{};
+  /// The rendezvous port.
+  std::optional<int> master_port{};
   /// How long any collective of the group waits for its peers before failing with timeout_error.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
   /// Compare every collective's fingerprint across ranks before running it (debug; costs one
@@ -54,9 +59,13 @@ struct init_options {
 
 /// Where this process stands in the job, and where each value came from.
 struct launch_info {
+  /// This process's rank.
   int rank = 0;
+  /// Number of processes in the job.
   int world_size = 1;
+  /// Rank among the processes of this node.
   int local_rank = 0;
+  /// Number of processes on this node.
   int local_world_size = 1;
   std::string master_addr;  ///< empty when not given
   int master_port = 0;      ///< 0 when not given
@@ -67,11 +76,17 @@ struct launch_info {
 /// What an engine knows by itself (MPI: its rank and size in MPI_COMM_WORLD). Used when no
 /// launcher variable is set; when `authoritative`, a launcher's values must agree with it.
 struct launch_fallback {
+  /// The engine's rank.
   int rank = 0;
+  /// The engine's world size.
   int world_size = 1;
+  /// The node-local rank, when the engine knows it.
   std::optional<int> local_rank;
+  /// The node-local size, when the engine knows it.
   std::optional<int> local_world_size;
+  /// Names the engine in messages (e.g. "MPI_COMM_WORLD").
   std::string source;
+  /// Whether the launcher's values must agree with the engine's.
   bool authoritative = true;
 };
 
@@ -316,11 +331,16 @@ inline launch_info resolve_launch(init_options const& opts = {}, environment con
 class distributed_group : public process_group {
  public:
   distributed_group() = default;
+  /// The group `group` with the launch it was made from.
   distributed_group(process_group group, launch_info info) : process_group(std::move(group)), info_(std::move(info)) {}
 
+  /// Number of processes in the job.
   [[nodiscard]] int world_size() const noexcept { return info_.world_size; }
+  /// Rank among the processes of this node.
   [[nodiscard]] int local_rank() const noexcept { return info_.local_rank; }
+  /// Number of processes on this node.
   [[nodiscard]] int local_world_size() const noexcept { return info_.local_world_size; }
+  /// Where this process stands in the job, and where each value came from.
   [[nodiscard]] launch_info const& launch() const noexcept { return info_; }
 
  private:

@@ -53,9 +53,11 @@ DPARALLEL_NAMESPACE_BEGIN
 
 /// Where and who: what tcp_rendezvous needs (see resolve_launch for reading it from the environment).
 struct rendezvous_options {
-  std::string master_addr;  ///< rank 0's host name or address (MASTER_ADDR)
+  std::string master_addr{};  ///< rank 0's host name or address (MASTER_ADDR)
   int master_port = 0;      ///< rank 0's TCP port (MASTER_PORT); rendezvous_server accepts 0 (any free port)
+  /// This process's rank.
   int rank = 0;
+  /// Number of ranks taking part.
   int world_size = 1;
   /// Bounds every wait: rank 0 for its peers, a peer for rank 0 to come up and answer.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
@@ -248,6 +250,7 @@ inline void validate(rendezvous_options const& o, bool server, std::size_t blob_
 /// (construct: bind and listen; run: accept the peers and answer them). Port 0 picks a free port.
 class rendezvous_server {
  public:
+  /// Binds and listens at opts.master_port (0: a free port); run() then serves the peers.
   explicit rendezvous_server(rendezvous_options opts) : opts_(std::move(opts)) {
     namespace rdv = detail::rdv;
     rdv::validate(opts_, true, 0);

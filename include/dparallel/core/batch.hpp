@@ -28,25 +28,34 @@ DPARALLEL_NAMESPACE_BEGIN
 template <class B, class = void>
 struct batch_traits {};
 
+/// A tensor_view is a batch of rows() samples; slices are views of whole rows.
 template <class T>
 struct batch_traits<tensor_view<T>> {
+  /// Number of samples: the view's rows().
   static std::size_t size(tensor_view<T> const& b) noexcept { return b.rows(); }
+  /// Rows [first, last) as a view.
   static tensor_view<T> slice(tensor_view<T> const& b, std::size_t first, std::size_t last) {
     return b.slice_rows(first, last);
   }
 };
 
+/// A std::span is a batch of size() samples.
 template <class T, std::size_t E>
 struct batch_traits<std::span<T, E>> {
+  /// Number of samples: the span's size().
   static std::size_t size(std::span<T, E> const& b) noexcept { return b.size(); }
+  /// Elements [first, last) as a span.
   static std::span<T> slice(std::span<T, E> const& b, std::size_t first, std::size_t last) {
     return std::span<T>(b).subspan(first, last - first);
   }
 };
 
+/// A std::vector is a batch of size() samples; a slice is a std::span of const elements.
 template <class T, class A>
 struct batch_traits<std::vector<T, A>> {
+  /// Number of samples: the vector's size().
   static std::size_t size(std::vector<T, A> const& b) noexcept { return b.size(); }
+  /// Elements [first, last) as a std::span<T const>.
   static std::span<T const> slice(std::vector<T, A> const& b, std::size_t first, std::size_t last) {
     return std::span<T const>(b).subspan(first, last - first);
   }
@@ -150,19 +159,25 @@ template <class... M>
 struct all_batches<std::tuple<M...>> : std::bool_constant<(batch<std::remove_cvref_t<M>> && ...)> {};
 }  // namespace detail
 
+/// A std::tuple of batches holding the same number of samples; slices are tuples of slices.
 template <class... Ts>
   requires(batch<Ts> && ...)
 struct batch_traits<std::tuple<Ts...>> {
+  /// Number of samples; throws invalid_argument when the members disagree.
   static std::size_t size(std::tuple<Ts...> const& b) { return detail::common_batch_size(b); }
+  /// Samples [first, last) of every member, as a std::tuple.
   static auto slice(std::tuple<Ts...> const& b, std::size_t first, std::size_t last) {
     return detail::slice_members(b, first, last);
   }
 };
 
+/// A std::pair of batches holding the same number of samples; slices are pairs of slices.
 template <class A, class C>
   requires(batch<A> && batch<C>)
 struct batch_traits<std::pair<A, C>> {
+  /// Number of samples; throws invalid_argument when the members disagree.
   static std::size_t size(std::pair<A, C> const& b) { return detail::common_batch_size(std::tie(b.first, b.second)); }
+  /// Samples [first, last) of both members, as a std::pair.
   static auto slice(std::pair<A, C> const& b, std::size_t first, std::size_t last) {
     return std::pair(slice_batch(b.first, first, last), slice_batch(b.second, first, last));
   }

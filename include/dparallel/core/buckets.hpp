@@ -14,6 +14,7 @@ DPARALLEL_NAMESPACE_BEGIN
 
 /// One bucket: parameters of one dtype whose gradients travel in one collective.
 struct bucket_spec {
+  /// The dtype of every gradient in the bucket.
   dparallel::dtype dtype = dparallel::dtype::f32;
   std::vector<std::size_t> params;   ///< parameter indices, in the order they fill the bucket
   std::vector<std::size_t> offsets;  ///< element offset of each parameter inside the bucket

@@ -16,8 +16,11 @@ enum class device_kind : std::uint8_t { host, cuda };
 /// logical devices on that one GPU (each with its own stream): cuda:0, cuda:0.1, cuda:0.2 are
 /// three logical devices on GPU 0 (how one-GPU machines run multi-device code paths).
 struct device {
+  /// The backend the device belongs to.
   device_kind kind = device_kind::host;
+  /// Logical host device, or GPU ordinal.
   int index = 0;
+  /// CUDA: the logical device among those sharing one GPU (0 for the first).
   int lane = 0;
 
   friend constexpr bool operator==(device, device) = default;

@@ -44,24 +44,34 @@ constexpr std::string_view name_of(dtype t) noexcept {
 /// CUDA backend for __half and __nv_bfloat16.
 template <class T>
 struct dtype_of;
+/// `float` is dtype::f32.
 template <>
 struct dtype_of<float> {
+  /// The dtype tag of `float`.
   static constexpr dtype value = dtype::f32;
 };
+/// `double` is dtype::f64.
 template <>
 struct dtype_of<double> {
+  /// The dtype tag of `double`.
   static constexpr dtype value = dtype::f64;
 };
+/// `std::int32_t` is dtype::i32.
 template <>
 struct dtype_of<std::int32_t> {
+  /// The dtype tag of `std::int32_t`.
   static constexpr dtype value = dtype::i32;
 };
+/// `std::int64_t` is dtype::i64.
 template <>
 struct dtype_of<std::int64_t> {
+  /// The dtype tag of `std::int64_t`.
   static constexpr dtype value = dtype::i64;
 };
+/// `std::uint8_t` is dtype::u8.
 template <>
 struct dtype_of<std::uint8_t> {
+  /// The dtype tag of `std::uint8_t`.
   static constexpr dtype value = dtype::u8;
 };
 

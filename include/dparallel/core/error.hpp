@@ -14,12 +14,14 @@ DPARALLEL_NAMESPACE_BEGIN
 /// Base of every exception thrown by dparallel.
 class error : public std::runtime_error {
  public:
+  /// An error whose message is `what`.
   explicit error(std::string const& what) : std::runtime_error(what) {}
 };
 
 /// A bad argument: an empty device list, a batch of size zero, mismatched sizes, ...
 class invalid_argument : public error {
  public:
+  /// Constructed from its message, as error.
   using error::error;
 };
 
@@ -27,8 +29,10 @@ class invalid_argument : public error {
 /// `device()` is the device index; the original exception is kept as the nested exception.
 class device_error : public error {
  public:
+  /// Work on device index `device` failed with message `what`.
   device_error(int device, std::string const& what)
       : error("dparallel: on device " + std::to_string(device) + ": " + what), device_(device) {}
+  /// Index of the device where the work failed.
   [[nodiscard]] int device() const noexcept { return device_; }
 
  private:
@@ -39,7 +43,9 @@ class device_error : public error {
 /// `rank()` names the rank at fault (not necessarily the rank that caught it).
 class comm_error : public error {
  public:
+  /// A failure caused by, or seen from, rank `rank`, with message `what`.
   comm_error(int rank, std::string const& what) : error(what), rank_(rank) {}
+  /// The rank the error names.
   [[nodiscard]] int rank() const noexcept { return rank_; }
 
  private:
@@ -49,6 +55,7 @@ class comm_error : public error {
 /// A wait that did not complete within its timeout.
 class timeout_error : public comm_error {
  public:
+  /// Constructed as comm_error: the rank the timeout names, and the message.
   using comm_error::comm_error;
 };
 

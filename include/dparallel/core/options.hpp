@@ -22,13 +22,13 @@ inline void warn_to_stderr(std::string_view line) { std::cerr << "dparallel: war
 struct options {
   // --- DataParallel ---
   /// Where gathered outputs land; default: the first device (as torch's output_device).
-  std::optional<device> output_device;
+  std::optional<device> output_device{};
   /// How the global batch is cut into shards; torch.chunk by default.
   dparallel::chunking chunking = dparallel::chunking::torch_chunk;
   /// With chunking::weights: one relative weight per device (e.g. {0.5, 1, 1} relieves the master).
-  std::vector<double> chunk_weights;
+  std::vector<double> chunk_weights{};
   /// With chunking::sizes: one shard size per device, summing to each batch's size.
-  std::vector<std::size_t> chunk_sizes;
+  std::vector<std::size_t> chunk_sizes{};
 
   // --- DistributedDataParallel ---
   /// Bucket capacity in MiB (PyTorch's bucket_cap_mb); fractions allowed (tests force many buckets).
@@ -41,7 +41,7 @@ struct options {
   /// contribute a zero gradient instead of raising an error.
   bool find_unused_parameters = false;
   /// The device of this rank's replica; default: device index = rank on the host backend.
-  std::optional<device> local_device;
+  std::optional<device> local_device{};
   /// PyTorch's gradient_as_bucket_view: no bucket storage and no second copy of the gradients.
   /// The buckets are views of the model's own gradient memory and are all-reduced in place, so
   /// the model should keep its gradients in one flat buffer (say, in parameter order): gradients

@@ -57,11 +57,17 @@ struct compute_imbalance {
 /// On a backend whose step functions only launch asynchronous kernels, it is the host time of the
 /// launches.
 struct step_profile {
+  /// Time the loop reported with note_data_wait() before this step.
   profile_duration data_wait{};
+  /// Planning the shards.
   profile_duration scatter{};
+  /// From the plan until the first step function started (replication).
   profile_duration replicate{};
+  /// From the first step function's start to the last one's end.
   profile_duration compute{};
+  /// From there until every stream was drained (the reduction not hidden by compute).
   profile_duration reduce{};
+  /// Gathering the outputs.
   profile_duration gather{};
   profile_duration total{};  ///< step() entered -> step() returned
   std::size_t batch = 0;     ///< samples given to step()
@@ -211,8 +217,11 @@ inline std::string format_profile(profile_summary const& s) {
 /// What a backend can say about a device (Backend::describe(device), optional): it feeds the
 /// warning about devices that differ. Zero / empty = unknown.
 struct device_properties {
+  /// Device memory in bytes.
   std::size_t total_memory_bytes = 0;
+  /// Number of multiprocessors (CUDA SMs).
   int multiprocessors = 0;
+  /// The device's name.
   std::string name;
 };
 

@@ -9,6 +9,8 @@
 
 DPARALLEL_NAMESPACE_BEGIN
 
+/// What the step function learns about its shard, and the grad_ready() hook that lets DDP reduce buckets
+/// while backward goes on.
 class step_context {
  public:
   step_context() = default;
@@ -42,15 +44,25 @@ class step_context {
 
   /// Used by the wrappers to describe a shard; not meant for user code.
   struct shard_info {
+    /// The shard's device.
     dparallel::device device;
+    /// Index of the replica among the wrapper's devices.
     int replica = 0;
+    /// Rank in the process group (0 for DataParallel).
     int rank = 0;
+    /// Number of ranks (1 for DataParallel).
     int world_size = 1;
+    /// First sample of the shard within the batch.
     std::size_t offset = 0;
+    /// Number of samples in the shard.
     std::size_t size = 0;
+    /// Number of samples in the batch given to step().
     std::size_t batch = 0;
   };
+  /// Called by grad_ready() with the wrapper object, the replica and the parameter index.
   using ready_hook = void (*)(void* obj, int replica, std::size_t param_index);
+  /// A context describing shard `s`, whose grad_ready() calls `hook(obj, replica, index)`; made by the
+  /// wrappers.
   step_context(shard_info const& s, ready_hook hook, void* obj) noexcept
       : device_(s.device),
         replica_(s.replica),

@@ -20,10 +20,13 @@ DPARALLEL_NAMESPACE_BEGIN
 template <class T>
 class tensor_view {
  public:
+  /// The element type, const included.
   using element_type = T;
+  /// The element type without const.
   using value_type = std::remove_cv_t<T>;
 
   constexpr tensor_view() noexcept = default;
+  /// A view of `size` elements at `data` on `dev`, one element per row.
   constexpr tensor_view(T* data, std::size_t size, device dev = host_memory) noexcept
       : data_(data), size_(size), rows_(size), device_(dev) {}
   /// A view with an explicit batch dimension; `size` must be a multiple of `rows`.
@@ -39,19 +42,28 @@ class tensor_view {
   constexpr tensor_view(tensor_view<U> other) noexcept
       : data_(other.data()), size_(other.size()), rows_(other.rows()), device_(other.device()) {}
 
+  /// Pointer to the first element (device memory for a device view).
   [[nodiscard]] constexpr T* data() const noexcept { return data_; }
+  /// Number of elements.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return size_; }
+  /// Number of bytes.
   [[nodiscard]] constexpr std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// True when the view has no element.
   [[nodiscard]] constexpr bool empty() const noexcept { return size_ == 0; }
+  /// Number of samples (the batch dimension).
   [[nodiscard]] constexpr std::size_t rows() const noexcept { return rows_; }
   /// Elements per row (per sample); 0 for an empty view.
   [[nodiscard]] constexpr std::size_t row_size() const noexcept { return rows_ == 0 ? 0 : size_ / rows_; }
+  /// The device the memory lives on.
   [[nodiscard]] constexpr dparallel::device device() const noexcept { return device_; }
+  /// The dtype of the elements.
   [[nodiscard]] static constexpr dparallel::dtype dtype() noexcept { return dtype_v<value_type>; }
 
   /// Host access; meaningful only for views of host memory.
   constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  /// Host iteration: the first element.
   constexpr T* begin() const noexcept { return data_; }
+  /// Host iteration: past the last element.
   constexpr T* end() const noexcept { return data_ + size_; }
 
   /// Rows [first, last) as a view on the same device.
@@ -98,17 +110,24 @@ auto view(C& c, std::size_t rows) {
 class tensor_ref {
  public:
   constexpr tensor_ref() noexcept = default;
+  /// A view of `size` elements of dtype `t` at `data` on `dev`.
   constexpr tensor_ref(void* data, std::size_t size, dparallel::dtype t, device dev = host_memory) noexcept
       : data_(data), size_(size), dtype_(t), device_(dev) {}
+  /// The dtype-erased form of a view of mutable elements.
   template <class T>
     requires(!std::is_const_v<T> && element<T>)
   constexpr tensor_ref(tensor_view<T> v) noexcept  // NOLINT(google-explicit-constructor)
       : data_(v.data()), size_(v.size()), dtype_(dtype_v<T>), device_(v.device()) {}
 
+  /// Pointer to the first element.
   [[nodiscard]] constexpr void* data() const noexcept { return data_; }
+  /// Number of elements.
   [[nodiscard]] constexpr std::size_t size() const noexcept { return size_; }
+  /// Number of bytes.
   [[nodiscard]] constexpr std::size_t size_bytes() const noexcept { return size_ * size_of(dtype_); }
+  /// The dtype of the elements.
   [[nodiscard]] constexpr dparallel::dtype dtype() const noexcept { return dtype_; }
+  /// The device the memory lives on.
   [[nodiscard]] constexpr dparallel::device device() const noexcept { return device_; }
 
   /// The typed view; throws invalid_argument when T is not this view's dtype.

@@ -104,8 +104,11 @@ inline std::vector<std::size_t> epoch_permutation(std::size_t len, std::uint64_t
 /// set_epoch() changes the epoch; iterators stay valid until then.
 class distributed_sampler {
  public:
+  /// A dataset index.
   using value_type = std::size_t;
+  /// Iterates this rank's indices of the current epoch.
   using const_iterator = std::vector<std::size_t>::const_iterator;
+  /// Iterates this rank's indices of the current epoch (read-only).
   using iterator = const_iterator;
 
   /// Rank `rank` of `num_replicas` over a dataset of `dataset_size` samples. Throws
@@ -136,6 +139,7 @@ class distributed_sampler {
     epoch_ = epoch;
     compute_indices();
   }
+  /// The epoch set by set_epoch() (0 at first).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
   /// Indices this rank reads per epoch (DistributedSampler's num_samples, len(sampler)).
@@ -146,12 +150,18 @@ class distributed_sampler {
   }
   /// This rank's indices for the current epoch, in order.
   [[nodiscard]] std::vector<std::size_t> const& indices() const noexcept { return indices_; }
+  /// This rank's first index of the current epoch.
   [[nodiscard]] const_iterator begin() const noexcept { return indices_.begin(); }
+  /// Past this rank's last index of the current epoch.
   [[nodiscard]] const_iterator end() const noexcept { return indices_.end(); }
 
+  /// Number of ranks sharing the dataset.
   [[nodiscard]] int num_replicas() const noexcept { return num_replicas_; }
+  /// This sampler's rank.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Number of samples in the dataset.
   [[nodiscard]] std::size_t dataset_size() const noexcept { return dataset_size_; }
+  /// The options the sampler was made with.
   [[nodiscard]] sampler_options const& options() const noexcept { return options_; }
 
  private:

@@ -64,6 +64,7 @@ struct loader_options {
 
 /// The default Stage of a loader: hands the made batch on unchanged.
 struct identity_stage {
+  /// Returns the batch as it is.
   template <class B>
   [[nodiscard]] std::remove_cvref_t<B> operator()(B&& batch) const {
     return std::forward<B>(batch);
@@ -74,10 +75,12 @@ struct identity_stage {
 /// `batch_index()` is the batch's position in the epoch; the original exception is nested.
 class loader_error : public error {
  public:
+  /// Making batch `batch_index` (of `batches`) failed with message `what`.
   loader_error(std::size_t batch_index, std::size_t batches, std::string const& what)
       : error("dparallel: loader: making batch " + std::to_string(batch_index) + " (of " + std::to_string(batches) +
               ", counting from 0) failed: " + what),
         batch_index_(batch_index) {}
+  /// Index of the batch whose making failed.
   [[nodiscard]] std::size_t batch_index() const noexcept { return batch_index_; }
 
  private:
@@ -199,6 +202,7 @@ class loader {
                                     std::to_string(k));
     return span_of(k);
   }
+  /// The options the loader was made with.
   [[nodiscard]] loader_options const& options() const noexcept { return options_; }
   /// Batches handed out so far (the index of the batch the next call to next() returns).
   [[nodiscard]] std::size_t position() const noexcept { return position_; }
@@ -246,16 +250,22 @@ class loader {
   /// continues after the batches already handed out.
   class iterator {
    public:
+    /// A batch.
     using value_type = loader::value_type;
+    /// Iterator distance type.
     using difference_type = std::ptrdiff_t;
 
     iterator() = default;
+    /// The current batch.
     [[nodiscard]] value_type& operator*() const { return *owner_->current_; }
+    /// The current batch.
     value_type* operator->() const { return &*owner_->current_; }
+    /// Moves to the next batch (waiting for it when it is not made yet).
     iterator& operator++() {
       owner_->advance();
       return *this;
     }
+    /// Moves to the next batch.
     void operator++(int) { ++*this; }
     [[nodiscard]] friend bool operator==(iterator const& it, std::default_sentinel_t) noexcept {
       return it.at_end();
@@ -268,10 +278,12 @@ class loader {
     loader* owner_ = nullptr;
   };
 
+  /// Starts the epoch: the first batch.
   [[nodiscard]] iterator begin() {
     advance();
     return iterator(this);
   }
+  /// The end of the epoch.
   [[nodiscard]] std::default_sentinel_t end() const noexcept { return {}; }
 
  private:

@@ -49,7 +49,9 @@ DPARALLEL_NAMESPACE_BEGIN
 /// Where a sampler stands: its epoch and how many of this rank's indices of that epoch have been
 /// consumed (the next sample to read is sampler.indices()[index]).
 struct sampler_position {
+  /// The sampler's epoch.
   std::uint64_t epoch = 0;
+  /// How many of this rank's indices of that epoch have been consumed.
   std::uint64_t index = 0;
   friend constexpr bool operator==(sampler_position, sampler_position) = default;
 };
@@ -97,6 +99,7 @@ class checkpoint {
  public:
   /// Name of the format marker in __metadata__ and its value.
   static constexpr std::string_view format_key = "dparallel.checkpoint";
+  /// The checkpoint format this code writes, stored in the file's metadata.
   static constexpr std::string_view format_version = "1";
 
   /// A checkpoint of `model_or_wrapper` (a model, or a DP/DDP wrapper whose module() is saved).
@@ -121,7 +124,9 @@ class checkpoint {
     return *this;
   }
 
+  /// The training position saved with the checkpoint (epoch, step, sampler, seed); set it before save().
   [[nodiscard]] training_progress& progress() noexcept { return progress_; }
+  /// The training position saved with, or loaded from, the checkpoint.
   [[nodiscard]] training_progress const& progress() const noexcept { return progress_; }
 
   /// The tensors a save writes, with their names in the file.

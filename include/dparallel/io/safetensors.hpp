@@ -59,15 +59,21 @@ using safetensors_metadata = std::map<std::string, std::string>;
 /// A tensor to save: its name, its data (host memory) and, optionally, its shape. Without a shape
 /// it is saved as a 1-D tensor of data.size() elements.
 struct named_tensor {
+  /// The tensor's name in the file.
   std::string name;
+  /// Its elements.
   tensor_ref data;
+  /// Its shape; without one the tensor is written as [size].
   std::optional<std::vector<std::uint64_t>> shape{};
 };
 
 /// One tensor as the header of a file describes it.
 struct tensor_info {
+  /// The tensor's name in the file.
   std::string name;
+  /// Its dtype.
   dparallel::dtype type = dtype::f32;
+  /// Its shape.
   std::vector<std::uint64_t> shape;
   std::uint64_t begin = 0;  ///< first byte, relative to the data section
   std::uint64_t end = 0;    ///< one past the last byte
@@ -78,6 +84,7 @@ struct tensor_info {
     for (auto d : shape) n *= d;  // validated not to overflow when read
     return n;
   }
+  /// Number of bytes of data.
   [[nodiscard]] std::uint64_t size_bytes() const noexcept { return end - begin; }
 };
 
@@ -165,7 +172,10 @@ inline std::string make_safetensors_header(std::span<named_tensor const> tensors
     h += ":{\"dtype\":\"";
     h += name_of(t.data.dtype());
     h += "\",\"shape\":[";
-    for (std::size_t k = 0; k < shape.size(); ++k) h += (k != 0 ? "," : "") + std::to_string(shape[k]);
+    for (std::size_t k = 0; k < shape.size(); ++k) {  // appended piece by piece: `"," + to_string(..)`
+      if (k != 0) h += ',';                             // trips GCC 12's -Wrestrict at -O3
+      h += std::to_string(shape[k]);
+    }
     std::uint64_t const end = offset + t.data.size_bytes();
     h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(end) + "]}";
     offset = end;
@@ -332,6 +342,7 @@ class safetensors_reader {
     for (std::size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
   }
 
+  /// The file this reader reads.
   [[nodiscard]] std::filesystem::path const& path() const noexcept { return path_; }
   /// The tensors, in the order of their data in the file.
   [[nodiscard]] std::vector<tensor_info> const& tensors() const noexcept { return tensors_; }
@@ -340,6 +351,7 @@ class safetensors_reader {
     auto const it = index_.find(name);
     return it == index_.end() ? nullptr : &tensors_[it->second];
   }
+  /// The file's __metadata__ (string to string).
   [[nodiscard]] safetensors_metadata const& metadata() const noexcept { return metadata_; }
   /// Where the data section starts in the file (8 + header length).
   [[nodiscard]] std::uint64_t data_offset() const noexcept { return data_offset_; }

@@ -54,6 +54,7 @@ class bucketed_reduce {
     return n;
   }
 
+  /// Plans the buckets and checks that every rank planned the same.
   template <class Set>
   void on_construct(Set& s) {
     detail::require(s.group.valid(), "bucketed reduce: expected a process group (use the DDP constructor)");
@@ -69,6 +70,7 @@ class bucketed_reduce {
   // The per-step members below are refilled in place (assign, clear): after the first step's
   // rebuild a step allocates no bucket memory and no bookkeeping. Checks on the per-step path
   // build their message only when they fail.
+  /// Prepares this step's buckets (none under no_sync).
   template <class Set>
   void begin_step(Set& s) {
     std::size_t const n = s.params[0].size();
@@ -85,6 +87,8 @@ class bucketed_reduce {
     first_accumulation_ = accumulated_ == 0;
   }
 
+  /// Gradient `i` is final: marks it ready (copying it into its bucket unless the buckets are views
+  /// of the gradients) and starts, in bucket order, every bucket that is complete.
   template <class Set>
   void grad_ready(Set& s, int, std::size_t i) {
     if (i >= ready_.size())
@@ -97,6 +101,8 @@ class bucketed_reduce {
     mark(s, i, false);
   }
 
+  /// Enqueues, after the step function, the reduction of the buckets still pending and the wait
+  /// for all of them; the reduced gradients end in the model's gradients.
   template <class Set>
   void finish(Set& s) {
     s.streams[0]->enqueue([this, &s] { finalize(s); });

@@ -20,13 +20,17 @@ DPARALLEL_NAMESPACE_BEGIN
 template <class Out, class = void>
 struct gather_traits {};
 
+/// Numbers: one entry per replica that ran, in device order.
 template <class T>
 struct gather_traits<T, std::enable_if_t<std::is_arithmetic_v<T>>> {
+  /// The outputs as they are.
   static std::vector<T> concat(std::vector<T>&& outs) { return std::move(outs); }
 };
 
+/// Vectors: concatenated in device order.
 template <class T, class A>
 struct gather_traits<std::vector<T, A>> {
+  /// The elements of every output, in device order.
   static std::vector<T, A> concat(std::vector<std::vector<T, A>>&& outs) {
     if (outs.size() == 1) return std::move(outs[0]);
     std::size_t n = 0;
@@ -38,8 +42,10 @@ struct gather_traits<std::vector<T, A>> {
   }
 };
 
+/// Buffers: concatenated along the rows; every output must have rows of the same size.
 template <class T>
 struct gather_traits<buffer<T>> {
+  /// One buffer holding every output's rows, in device order.
   static buffer<T> concat(std::vector<buffer<T>>&& outs) {
     if (outs.size() == 1) return std::move(outs[0]);
     std::size_t n = 0, rows = 0, row = outs.empty() ? 0 : outs[0].size() / std::max<std::size_t>(1, outs[0].rows());
@@ -71,6 +77,7 @@ namespace policy {
 
 /// DataParallel: outputs concatenated on options::output_device (host memory on the host backend).
 struct concat_outputs {
+  /// The outputs joined by gather_traits<Out>::concat.
   template <class Out, class Set>
   static auto gather(std::vector<Out>&& outs, Set&) {
     static_assert(gatherable<Out>,
@@ -84,6 +91,7 @@ static_assert(gather_policy<concat_outputs>);
 
 /// DDP: no gather; the local output is returned as it is.
 struct local_output {
+  /// The single local output.
   template <class Out, class Set>
   static Out gather(std::vector<Out>&& outs, Set&) {
     return std::move(outs.front());

@@ -106,6 +106,7 @@ struct with_comms {
 /// Replicate: ncclBroadcast of the master's parameters and buffers from device 0 before every
 /// step; the copy path of policy::replicate_each_step when the devices are not distinct GPUs.
 struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> {
+  /// Broadcasts the master's parameters and buffers to the replicas that receive a shard.
   template <class Set>
   void before_step(Set& s) {
     if (!comms) {
@@ -139,11 +140,14 @@ static_assert(replicate_policy<broadcast_replicate>);
 /// master; the pairwise copy/kernel path of policy::reduce_to_master when the devices are not
 /// distinct GPUs.
 struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
+  /// Nothing to do before the step functions run.
   template <class Set>
   void begin_step(Set&) {}
+  /// Ignored: the reduction starts after every step function.
   template <class Set>
   void grad_ready(Set&, int, std::size_t) {}
 
+  /// Weights each replica's gradients, then reduces them onto the master in one NCCL group.
   template <class Set>
   void finish(Set& s) {
     if (!comms) {
@@ -180,7 +184,9 @@ static_assert(reduce_policy<weighted_reduce>);
 
 /// DataParallel with NCCL between distinct GPUs (see the top of this header).
 struct dp : dparallel::dp {
+  /// ncclBroadcast between distinct GPUs.
   using replicate = broadcast_replicate;
+  /// Weighted ncclReduce between distinct GPUs.
   using reduce = weighted_reduce;
 };
 static_assert(semantics<dp>);

@@ -44,13 +44,17 @@ namespace policy {
 /// of work over lists the policy keeps as members, refilled in place: a steady-state step
 /// allocates no list (the stream's work and events still do; see parallel::run_step).
 struct reduce_to_master {
+  /// Nothing to prepare.
   template <class Set>
   void on_construct(Set&) {}
+  /// Nothing to prepare.
   template <class Set>
   void begin_step(Set&) {}
+  /// Ignored: the reduction starts after every step function.
   template <class Set>
   void grad_ready(Set&, int, std::size_t) {}
 
+  /// Enqueues the shard-weighted sum of the gradients onto the master.
   template <class Set>
   void finish(Set& s) {
     using backend = typename Set::backend_type;
@@ -113,6 +117,7 @@ static_assert(reduce_policy<reduce_to_master>);
 /// run its own optimizer; pair it with replicate_once): reduce_to_master, then the master's
 /// gradients are copied to every other replica, bitwise identical.
 struct all_reduce_replicas : reduce_to_master {
+  /// The reduction onto the master, then its result copied to every replica.
   template <class Set>
   void finish(Set& s) {
     using backend = typename Set::backend_type;

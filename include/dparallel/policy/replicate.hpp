@@ -58,9 +58,11 @@ namespace policy {
 /// On a backend with the borrowed copy_all the tensor lists are members, refilled in place: a
 /// steady-state step allocates no list (the stream's work and events still do; see run_step).
 struct replicate_each_step {
+  /// Nothing to do: replicas are refreshed before each step.
   template <class Set>
   void on_construct(Set&) {}
 
+  /// Copies the master's parameters and buffers to every replica that receives a shard.
   template <class Set>
   void before_step(Set& s) {
     using backend = typename Set::backend_type;
@@ -98,6 +100,7 @@ static_assert(replicate_policy<replicate_each_step>);
 /// policy::all_reduce_replicas): the master's parameters and buffers are copied once, at
 /// construction.
 struct replicate_once {
+  /// Copies the master's parameters and buffers to every replica, once.
   template <class Set>
   void on_construct(Set& s) {
     for (std::size_t i = 1; i < s.size(); ++i) {
@@ -108,6 +111,7 @@ struct replicate_once {
       s.streams[i]->synchronize();
     }
   }
+  /// Nothing to do: the replicas keep their own parameters.
   template <class Set>
   void before_step(Set&) {}
 };
@@ -171,6 +175,7 @@ namespace policy {
 /// sizes, dtypes) and broadcast rank 0's values; before each step, broadcast rank 0's buffers when
 /// options::broadcast_buffers is set (PyTorch's default).
 struct broadcast_from_root {
+  /// Checks every rank's parameters against rank 0's and broadcasts rank 0's values.
   template <class Set>
   void on_construct(Set& s) {
     detail::verify_across_ranks(s.group, s.params[0], "parameters");
@@ -179,6 +184,7 @@ struct broadcast_from_root {
     all.insert(all.end(), s.bufs[0].begin(), s.bufs[0].end());
     detail::broadcast_from_root(s.group, all);
   }
+  /// Broadcasts rank 0's buffers when options::broadcast_buffers is set.
   template <class Set>
   void before_step(Set& s) {
     if (s.opts.broadcast_buffers && !s.bufs[0].empty() && s.world_size() > 1)
@@ -190,6 +196,7 @@ static_assert(replicate_policy<broadcast_from_root>);
 /// DDP with reduce-to-root (a parameter-server style): rank 0 alone updates the model, so its
 /// parameters and buffers are broadcast to every rank before each step.
 struct broadcast_each_step : broadcast_from_root {
+  /// Broadcasts rank 0's parameters and buffers.
   template <class Set>
   void before_step(Set& s) {
     if (s.world_size() == 1) return;

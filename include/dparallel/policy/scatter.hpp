@@ -89,6 +89,7 @@ namespace policy {
 
 /// DataParallel: split the batch on dim 0 as options::chunking says (torch.chunk by default).
 struct split_batch {
+  /// The shard sizes options::chunking asks for.
   static std::vector<std::size_t> shard_sizes(std::size_t batch, std::size_t n, options const& o) {
     return partition(batch, n, o.chunking, o.chunk_weights, o.chunk_sizes);
   }
@@ -97,6 +98,7 @@ static_assert(scatter_policy<split_batch>);
 
 /// DDP: no scatter; each rank's single local replica takes the whole batch it was given.
 struct no_scatter {
+  /// The whole batch to the single local replica.
   static std::vector<std::size_t> shard_sizes(std::size_t batch, std::size_t n, options const&) {
     detail::require(batch > 0, "step: expected a batch of at least one sample, found an empty batch");
     std::vector<std::size_t> s(n, 0);
@@ -122,13 +124,14 @@ static_assert(scatter_policy<no_scatter>);
 /// - The per-sample cost is assumed not to depend on which samples a shard holds.
 ///
 /// The gradient is still the one-device gradient (shards are weighted by their size), but shard
-/// sizes now depend on measured times, so DESIGN contract 3 (bitwise identical results run to run)
+/// sizes now depend on measured times, so docs/design.md contract 3 (bitwise identical results run to run)
 /// holds only up to rounding: two runs may cut their batches differently. Use split_batch with
 /// options::chunk_weights where bitwise reproducibility matters.
 struct auto_balance {
   /// Weight of the newest measurement in the moving average, in (0, 1]; 1 = the last step only.
   double smoothing = 0.5;
 
+  /// Even sizes until every device was measured, then sizes proportional to the rates.
   std::vector<std::size_t> shard_sizes(std::size_t batch, std::size_t n, options const&) const {
     detail::require(n > 0, "auto_balance: expected at least one device, found 0");
     bool measured = rate_.size() == n;

@@ -57,13 +57,17 @@ inline double warmup_lr(std::uint64_t step, double target_lr, std::uint64_t warm
 
 /// After warmup: stay at the target rate.
 struct constant_lr {
+  /// The target rate, whatever the step.
   double operator()(double target_lr, std::uint64_t /*steps_after_warmup*/) const noexcept { return target_lr; }
 };
 
 /// After warmup: multiply the rate by `gamma` every `every` steps (PyTorch's StepLR).
 struct step_decay {
+  /// Steps between two decays.
   std::uint64_t every = 1;
+  /// The factor applied at each decay.
   double gamma = 0.1;
+  /// The rate `s` steps after warmup.
   double operator()(double target_lr, std::uint64_t s) const {
     detail::require(every > 0, "step_decay: expected every > 0, found 0");
     return target_lr * std::pow(gamma, static_cast<double>(s / every));
@@ -73,8 +77,11 @@ struct step_decay {
 /// After warmup: straight down from the target rate to `end_lr` over `steps` steps, then
 /// `end_lr` (the decay of Hugging Face's get_linear_schedule_with_warmup).
 struct linear_decay {
+  /// Steps from the target rate to `end_lr`.
   std::uint64_t steps = 1;
+  /// The rate at the end.
   double end_lr = 0.0;
+  /// The rate `s` steps after warmup.
   double operator()(double target_lr, std::uint64_t s) const {
     detail::require(steps > 0, "linear_decay: expected steps > 0, found 0");
     double const f = static_cast<double>(std::min(s, steps)) / static_cast<double>(steps);
@@ -85,8 +92,11 @@ struct linear_decay {
 /// After warmup: half a cosine from the target rate to `min_lr` over `steps` steps, then
 /// `min_lr` (PyTorch's CosineAnnealingLR with T_max = steps, without restarts).
 struct cosine_decay {
+  /// Steps from the target rate to `min_lr`.
   std::uint64_t steps = 1;
+  /// The rate at the end.
   double min_lr = 0.0;
+  /// The rate `s` steps after warmup.
   double operator()(double target_lr, std::uint64_t s) const {
     detail::require(steps > 0, "cosine_decay: expected steps > 0, found 0");
     double const f = static_cast<double>(std::min(s, steps)) / static_cast<double>(steps);
@@ -105,20 +115,26 @@ concept lr_decay = std::copy_constructible<D> && requires(D const& d, double lr,
 template <lr_decay Decay = constant_lr>
 class warmup_schedule {
  public:
+  /// Rises linearly from `start_lr` to `target_lr` over `warmup_steps`, then follows `decay`.
   warmup_schedule(double target_lr, std::uint64_t warmup_steps, Decay decay = {}, double start_lr = 0.0)
       : target_lr_(target_lr), warmup_steps_(warmup_steps), start_lr_(start_lr), decay_(std::move(decay)) {
     detail::require_rate(target_lr, "warmup_schedule (target_lr)");
     detail::require_rate(start_lr, "warmup_schedule (start_lr)");
   }
 
+  /// The learning rate of the update that follows `step` updates.
   [[nodiscard]] double operator()(std::uint64_t step) const {
     if (step < warmup_steps_) return warmup_lr(step, target_lr_, warmup_steps_, start_lr_);
     return static_cast<double>(decay_(target_lr_, step - warmup_steps_));
   }
 
+  /// The rate reached at the end of warmup.
   [[nodiscard]] double target_lr() const noexcept { return target_lr_; }
+  /// Number of warmup steps.
   [[nodiscard]] std::uint64_t warmup_steps() const noexcept { return warmup_steps_; }
+  /// The rate at step 0.
   [[nodiscard]] double start_lr() const noexcept { return start_lr_; }
+  /// The decay applied after warmup.
   [[nodiscard]] Decay const& decay() const noexcept { return decay_; }
 
  private:

@@ -38,6 +38,8 @@ struct line {
 
 }  // namespace
 
+int check_files();  // files.cpp
+
 int main() {
   line model;
   dparallel::data_parallel<line> dp(model, dparallel::host::devices(2));
@@ -59,7 +61,8 @@ int main() {
                  static_cast<double>(dp.module().gw[0]), static_cast<double>(dp.module().gb[0]));
     return 1;
   }
-  std::printf("consumer: dparallel %d.%d.%d OK, gradients (7.5, 2.5)\n", DPARALLEL_VERSION_MAJOR,
+  if (check_files() != 0) return 1;
+  std::printf("consumer: dparallel %d.%d.%d OK, gradients (7.5, 2.5), files read back\n", DPARALLEL_VERSION_MAJOR,
               DPARALLEL_VERSION_MINOR, DPARALLEL_VERSION_PATCH);
   return 0;
 }

@@ -118,8 +118,11 @@ inline void staged_weighted_sums(stream& s, std::span<tensor_ref const> dst, std
 
 /// The backend tag handed to parallel<>.
 struct backend {
+  /// The CUDA stream of a logical device.
   using stream_type = cuda::stream;
+  /// What the stream operations return: a CUDA event to wait on.
   using event_type = cuda::event;
+  /// The kind of device this backend runs on.
   static constexpr device_kind kind = device_kind::cuda;
 
   /// One logical device per visible GPU; an error when there is none.
@@ -135,7 +138,9 @@ struct backend {
     if (n == 0) throw invalid_argument("dparallel: cuda backend: no GPU to run on (" + no_device_reason() + ")");
     return device{device_kind::cuda, rank % n, 0};
   }
+  /// Throws invalid_argument unless `d` is a CUDA device visible to this process.
   static void check_device(device d) { cuda::check_device(d); }
+  /// The device's memory and multiprocessor count (DataParallel warns when its devices differ).
   static device_properties describe(device d) { return describe_device(d); }
   /// The view must be CUDA memory on `d`'s GPU (checked with cudaPointerGetAttributes).
   static void check_view(tensor_ref t, device d, char const* what) {
@@ -148,11 +153,15 @@ struct backend {
   /// Operations launched on the calling thread's current stream: the reducers call them from
   /// work running on a cuda::stream (as host::backend runs them on the stream's worker).
   struct immediate {
+    /// dst = src, on the calling device's current stream.
     static void copy(tensor_ref dst, tensor_ref src) { cuda::copy(current_stream(), current_device(), dst, src); }
+    /// dst *= alpha, on the calling device's current stream.
     static void scale(tensor_ref dst, double alpha) { cuda::scale(current_stream(), current_device(), dst, alpha); }
+    /// dst += alpha * src, on the calling device's current stream.
     static void add_scaled(tensor_ref dst, tensor_ref src, double alpha) {
       cuda::add_scaled(current_stream(), current_device(), dst, src, alpha);
     }
+    /// dst = 0, on the calling device's current stream.
     static void zero(tensor_ref dst) { cuda::zero(current_stream(), current_device(), dst); }
   };
 
@@ -163,6 +172,7 @@ struct backend {
     return cuda::allocate(d, bytes, cur.set && cur.dev.index == d.index ? cur.stream : nullptr);
   }
 
+  /// Enqueues dst = src on `s`; the event completes when the copy has.
   static event copy(stream_type& s, tensor_ref dst, tensor_ref src) {
     return s.enqueue([&s, dst, src] { cuda::copy(s.native(), s.logical_device(), dst, src); });
   }
@@ -182,6 +192,7 @@ struct backend {
       for (std::size_t i = 0; i < dst.size(); ++i) cuda::copy(s.native(), s.logical_device(), dst[i], src[i]);
     });
   }
+  /// Enqueues dst = sum_k w[k] * srcs[k] on `s` (host::weighted_sum's pairwise order).
   static event weighted_sum(stream_type& s, tensor_ref dst, std::vector<tensor_ref> srcs, std::vector<double> w) {
     return s.enqueue([&s, dst, srcs = std::move(srcs), w = std::move(w)] {
       detail::staged_weighted_sums(s, std::span<tensor_ref const>(&dst, 1), srcs, w);

@@ -10,12 +10,16 @@
 
 DPARALLEL_NAMESPACE_BEGIN
 
+/// `__half` is dtype::f16.
 template <>
 struct dtype_of<__half> {
+  /// The dtype tag of `__half`.
   static constexpr dtype value = dtype::f16;
 };
+/// `__nv_bfloat16` is dtype::bf16.
 template <>
 struct dtype_of<__nv_bfloat16> {
+  /// The dtype tag of `__nv_bfloat16`.
   static constexpr dtype value = dtype::bf16;
 };
 

@@ -61,6 +61,7 @@ inline bool has_current_context() noexcept {
 /// create a context on GPU 0 in every process (every DDP rank) that never used GPU 0.
 class device_guard {
  public:
+  /// Makes GPU `ordinal` current until the guard is destroyed.
   explicit device_guard(int ordinal) {
     restore_ = detail::has_current_context();
     check(cudaGetDevice(&previous_), "cudaGetDevice");

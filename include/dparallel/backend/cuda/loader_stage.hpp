@@ -32,20 +32,25 @@ namespace cuda {
 /// One batch in GPU memory, made by to_device: `rows` samples of size()/rows elements each.
 template <class T>
 struct device_batch {
+  /// The batch's elements in device memory.
   device_buffer<T> data;
+  /// Number of samples (the batch dimension).
   std::size_t rows = 0;
   /// The batch as a view on its GPU, with its samples as rows (what DataParallel slices).
   [[nodiscard]] tensor_view<T const> view() const {
     return tensor_view<T const>(data.data(), data.size(), rows, data.where());
   }
+  /// Number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return data.size(); }
 };
 
 /// The Stage: copies a host batch to GPU `dev` through pinned memory, on the worker's copy stream.
 /// `rows_of(batch)` gives the number of samples (default: one element per sample).
 struct to_device {
+  /// The GPU (or lane) the batches are copied to.
   device dev{device_kind::cuda, 0, 0};
 
+  /// Copies a host batch to `dev` (run by the loader's workers).
   template <class C>
   auto operator()(C&& host) const {
     using T = std::remove_cv_t<std::remove_reference_t<decltype(*std::data(host))>>;

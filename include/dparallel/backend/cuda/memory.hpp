@@ -73,8 +73,10 @@ class device_buffer {
     check(cudaMallocAsync(&p, size_ * sizeof(T), s), "cudaMallocAsync", d);
     data_ = static_cast<T*>(p);
   }
+  /// Takes over `o`'s memory; `o` becomes empty.
   device_buffer(device_buffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), dev_(o.dev_), stream_(o.stream_) {}
+  /// Frees this buffer's memory (stream-ordered) and takes over `o`'s.
   device_buffer& operator=(device_buffer&& o) noexcept {
     if (this != &o) {
       release();
@@ -89,11 +91,15 @@ class device_buffer {
   device_buffer& operator=(device_buffer const&) = delete;
   ~device_buffer() { release(); }
 
+  /// Device pointer to the first element.
   [[nodiscard]] T* data() const noexcept { return data_; }
+  /// Number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The device the memory lives on.
   [[nodiscard]] device where() const noexcept { return dev_; }
   /// A view tagged with the buffer's device (`rows` samples when given).
   [[nodiscard]] tensor_view<T> view() const noexcept { return tensor_view<T>(data_, size_, dev_); }
+  /// A view of the whole buffer holding `rows` samples.
   [[nodiscard]] tensor_view<T> view(std::size_t rows) const { return tensor_view<T>(data_, size_, rows, dev_); }
 
  private:
@@ -121,14 +127,18 @@ class pinned_buffer {
 
  public:
   pinned_buffer() = default;
+  /// Allocates `size` elements of page-locked host memory.
   explicit pinned_buffer(std::size_t size) : size_(size) {
     if (size_ == 0) return;
     void* p = nullptr;
     check(cudaMallocHost(&p, size_ * sizeof(T)), "cudaMallocHost");
     data_.reset(static_cast<T*>(p));
   }
+  /// Host pointer to the first element.
   [[nodiscard]] T* data() const noexcept { return data_.get(); }
+  /// Number of elements.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// A view of the whole buffer (host memory, one element per row).
   [[nodiscard]] tensor_view<T> view() const noexcept { return tensor_view<T>(data_.get(), size_); }
 
  private:

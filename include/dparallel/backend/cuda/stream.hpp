@@ -101,6 +101,7 @@ class event {
   void wait() const {
     if (auto e = wait_nothrow()) std::rethrow_exception(e);
   }
+  /// Waits like wait(), but returns the failure instead of throwing it (null on success).
   [[nodiscard]] std::exception_ptr wait_nothrow() const {
     if (auto e = launched_.wait_nothrow()) return e;
     if (!gpu_ || gpu_->ev == nullptr) return nullptr;
@@ -174,7 +175,9 @@ class stream {
     (void)cudaStreamDestroy(s_);
   }
 
+  /// The logical device (GPU ordinal and lane) this stream belongs to.
   [[nodiscard]] device logical_device() const noexcept { return dev_; }
+  /// The GPU ordinal of this stream.
   [[nodiscard]] int device_index() const noexcept { return dev_.index; }
   /// The CUDA stream this queue launches on.
   [[nodiscard]] cudaStream_t native() const noexcept { return s_; }

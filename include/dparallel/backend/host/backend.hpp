@@ -32,18 +32,23 @@ inline std::vector<device> devices(int n) {
 
 /// The backend tag handed to parallel<>: its stream and event types and its kernels.
 struct backend {
+  /// A logical device's ordered worker queue.
   using stream_type = host::stream;
+  /// What the stream operations return: an event to wait on.
   using event_type = host::event;
+  /// The kind of device this backend runs on.
   static constexpr device_kind kind = device_kind::host;
 
   /// One logical device per hardware thread (at least one): the default device list.
   static std::vector<device> all_devices() {
     return devices(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   }
+  /// Throws invalid_argument unless `d` is a host device.
   static void check_device(device d) {
     dparallel::detail::require(d.kind == device_kind::host && d.index >= 0,
                                "host backend: expected a host device with index >= 0, found " + to_string(d));
   }
+  /// Throws invalid_argument naming `what` unless `t` is host memory.
   static void check_view(tensor_ref t, device d, char const* what) {
     dparallel::detail::require(t.device().kind == device_kind::host,
                                std::string(what) + ": expected host memory on " + to_string(d) + ", found a view on " +
@@ -53,9 +58,13 @@ struct backend {
   /// Kernels run on the calling thread, which must be the stream's own worker (work already
   /// ordered on the stream, like a kernel launched from a stream callback).
   struct immediate {
+    /// dst = src.
     static void copy(tensor_ref dst, tensor_ref src) { host::copy(dst, src); }
+    /// dst *= alpha.
     static void scale(tensor_ref dst, double alpha) { host::scale(dst, alpha); }
+    /// dst += alpha * src.
     static void add_scaled(tensor_ref dst, tensor_ref src, double alpha) { host::add_scaled(dst, src, alpha); }
+    /// dst = 0.
     static void zero(tensor_ref dst) {
       if (dst.size() != 0) std::memset(dst.data(), 0, dst.size_bytes());
     }
@@ -67,6 +76,7 @@ struct backend {
   }
 
   // Kernels enqueued on a stream by the policies.
+  /// Enqueues dst = src on `s`; the event completes when the copy has.
   static event copy(stream_type& s, tensor_ref dst, tensor_ref src) {
     return s.enqueue([=] { host::copy(dst, src); });
   }
@@ -76,6 +86,7 @@ struct backend {
       for (std::size_t i = 0; i < dst.size(); ++i) host::copy(dst[i], src[i]);
     });
   }
+  /// Enqueues dst = sum_k w[k] * srcs[k] on `s` (host::weighted_sum's pairwise order).
   static event weighted_sum(stream_type& s, tensor_ref dst, std::vector<tensor_ref> srcs, std::vector<double> w) {
     return s.enqueue([=, srcs = std::move(srcs), w = std::move(w)] { host::weighted_sum(dst, srcs, w); });
   }

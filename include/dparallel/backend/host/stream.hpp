@@ -66,6 +66,7 @@ class event {
 /// The queue of one logical host device, drained in order by its own worker thread.
 class stream {
  public:
+  /// Starts the worker thread of logical device `device_index`.
   explicit stream(int device_index) : device_(device_index), queue_([this](task& t) { run(t); }) {}
   /// The stream of logical device `d` (its index names the device in errors).
   explicit stream(device d) : stream(d.index) {}
@@ -74,6 +75,7 @@ class stream {
   /// Finishes the queued work, then joins the worker.
   ~stream() { queue_.stop(); }
 
+  /// The index of this stream's logical device.
   [[nodiscard]] int device_index() const noexcept { return device_; }
 
   /// Runs `fn()` on this stream after all earlier work; returns its completion event.

@@ -27,6 +27,8 @@ namespace detail::json {
 /// Deepest nesting the reader accepts; a safetensors header needs 3 levels.
 inline constexpr int max_depth = 64;
 
+struct member;
+
 /// A parsed JSON value. Numbers keep their text: the safetensors reader needs exact unsigned
 /// integers, which it extracts with value::as_u64.
 struct value {
@@ -35,7 +37,7 @@ struct value {
   bool boolean = false;
   std::string text;  ///< the string (decoded) or the number (as written)
   std::vector<value> items;                                  ///< array elements
-  std::vector<std::pair<std::string, value>> members;        ///< object members, in file order
+  std::vector<member> members;                               ///< object members, in file order
   std::size_t offset = 0;                                    ///< where the value starts (for messages)
 
   [[nodiscard]] bool is_object() const noexcept { return type == kind::object; }
@@ -44,11 +46,7 @@ struct value {
   [[nodiscard]] bool is_number() const noexcept { return type == kind::number; }
 
   /// The member named `key` of an object, or nullptr.
-  [[nodiscard]] value const* find(std::string_view key) const noexcept {
-    for (auto const& [k, v] : members)
-      if (k == key) return &v;
-    return nullptr;
-  }
+  [[nodiscard]] value const* find(std::string_view key) const noexcept;
 
   /// The number as an unsigned 64-bit integer; false when it is not written as a non-negative
   /// integer (no sign, fraction or exponent) or does not fit.
@@ -65,6 +63,19 @@ struct value {
     return true;
   }
 };
+
+/// An object member. (Not std::pair<std::string, value>: instantiating that pair needs `value`
+/// complete, whose destructor needs the pair complete; clang with libstdc++ rejects the cycle.)
+struct member {
+  std::string key;
+  value val;
+};
+
+inline value const* value::find(std::string_view key) const noexcept {
+  for (auto const& [k, v] : members)
+    if (k == key) return &v;
+  return nullptr;
+}
 
 /// Name of a kind, for messages.
 inline char const* kind_name(value::kind k) noexcept {
@@ -209,7 +220,7 @@ class parser {
         skip_ws();
         expect(':');
         value member = parse_value(depth + 1);
-        v.members.emplace_back(std::move(key), std::move(member));
+        v.members.push_back({std::move(key), std::move(member)});
         skip_ws();
         if (peek() == ',') {
           ++i_;
