@@ -303,8 +303,9 @@ class mlp_cuda {
     if (b.labels.device().kind == dparallel::device_kind::cuda) {
       on_host.resize(n);
       cudaStream_t const st = dparallel::cuda::current_stream();  // the shard's copy is ordered on it
-      check(cudaMemcpyAsync(on_host.data(), labels, n * sizeof(std::int32_t), cudaMemcpyDefault, st), "cudaMemcpyAsync");
-      check(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      dparallel::cuda::check(cudaMemcpyAsync(on_host.data(), labels, n * sizeof(std::int32_t), cudaMemcpyDefault, st),
+                             "cudaMemcpyAsync", b.labels.device());
+      dparallel::cuda::check(cudaStreamSynchronize(st), "cudaStreamSynchronize", b.labels.device());
       labels = on_host.data();
     }
     for (std::size_t i = 0; i < n; ++i)
