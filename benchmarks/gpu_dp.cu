@@ -2,9 +2,9 @@
 // device-to-device copy bandwidth, measured in the same run (run by scripts/gpu-check).
 //
 // A synthetic model holds S bytes of float parameters (and as many of gradients) in GPU memory;
-// its step function does no work, so a DP step is exactly replicate (the master's parameters
-// copied to N-1 replicas) plus reduce (the shard-weighted sum of N gradients onto the master,
-// split across the devices). The bytes such a step must move are
+// its step function does no work, so a DP step is replicate (the master's parameters copied to
+// N-1 replicas) plus reduce (the shard-weighted sum of N gradients onto the master, split across
+// the devices), plus a negligible scatter (each device's 256-byte host shard copied to it). The bytes such a step must move are
 //   replicate: (N-1) * S read + (N-1) * S written;  reduce: N * S read + S written,
 // and "moved / time" is compared with cudaMemcpyAsync's device-to-device rate (S read + S written
 // per copy). Devices: N logical devices on GPU 0 (lanes) and, when there are N GPUs, N GPUs.

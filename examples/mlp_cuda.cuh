@@ -166,9 +166,10 @@ class mlp_cuda {
     dparallel::cuda::device_guard g(dev_.index);
     cudaStream_t const st = dparallel::cuda::current_stream();
     reserve(n);
-    check(cudaMemcpyAsync(x_.data(), b.images.data(), n * inputs * sizeof(float), cudaMemcpyHostToDevice, st),
+    // Host memory, or this GPU's (DataParallel's scatter copied the shard here): cudaMemcpyDefault.
+    check(cudaMemcpyAsync(x_.data(), b.images.data(), n * inputs * sizeof(float), cudaMemcpyDefault, st),
           "cudaMemcpyAsync");
-    check(cudaMemcpyAsync(y_.data(), b.labels.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice, st),
+    check(cudaMemcpyAsync(y_.data(), b.labels.data(), n * sizeof(std::int32_t), cudaMemcpyDefault, st),
           "cudaMemcpyAsync");
     blas(cublasSetStream(blas_.get(), st), "cublasSetStream");
 
@@ -297,10 +298,20 @@ class mlp_cuda {
                                   std::to_string(b.labels.size()) + " labels");
     if (n * inputs > static_cast<std::size_t>(std::numeric_limits<int>::max()))
       throw std::invalid_argument("mlp_cuda: a batch of " + std::to_string(n) + " samples is too large for one GEMM");
+    std::vector<std::int32_t> on_host;  // labels in GPU memory (a DataParallel shard) are read back
+    std::int32_t const* labels = b.labels.data();
+    if (b.labels.device().kind == dparallel::device_kind::cuda) {
+      on_host.resize(n);
+      cudaStream_t const st = dparallel::cuda::current_stream();  // the shard's copy is ordered on it
+      dparallel::cuda::check(cudaMemcpyAsync(on_host.data(), labels, n * sizeof(std::int32_t), cudaMemcpyDefault, st),
+                             "cudaMemcpyAsync", b.labels.device());
+      dparallel::cuda::check(cudaStreamSynchronize(st), "cudaStreamSynchronize", b.labels.device());
+      labels = on_host.data();
+    }
     for (std::size_t i = 0; i < n; ++i)
-      if (b.labels[i] < 0 || static_cast<std::size_t>(b.labels[i]) >= classes)
+      if (labels[i] < 0 || static_cast<std::size_t>(labels[i]) >= classes)
         throw std::invalid_argument("mlp_cuda: expected labels 0.." + std::to_string(classes - 1) + ", found " +
-                                    std::to_string(b.labels[i]) + " for sample " + std::to_string(i));
+                                    std::to_string(labels[i]) + " for sample " + std::to_string(i));
     return n;
   }
 

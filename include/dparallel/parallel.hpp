@@ -375,11 +375,13 @@ class parallel {
       info.rank = rs_.rank();
       info.world_size = rs_.world_size();
       ctx_[i] = step_context(info, &parallel::ready_trampoline, this);
-      rs_.compute_done[i] = rs_.streams[i]->enqueue([f = &fr, i] {
+      rs_.compute_done[i] = detail::enqueue_compute(*rs_.streams[i], [f = &fr, i] {
         parallel& self = *f->self;
         F& step_fn = *f->step_fn;
         auto shard =
             slice_batch(*f->batch, self.rs_.shard_offsets[i], self.rs_.shard_offsets[i] + self.rs_.shard_sizes[i]);
+        if constexpr (!is_distributed_v<Semantics>)  // DataParallel: the shard moves to its device
+          shard = detail::place_shard<Backend>(*self.rs_.streams[i], std::move(shard));
         Model& m = *self.rs_.models[i];
         self.started_[i] = profile_clock::now();
         if constexpr (returns_value) {
@@ -424,6 +426,7 @@ class parallel {
       first = std::min(first, started_[i]);
       last = std::max(last, ended_[i]);
       p.device_compute[i] = std::max(profile_duration{}, profile_duration(ended_[i] - started_[i]));
+      if (auto gpu = detail::device_time(rs_.compute_done[i])) p.device_compute[i] = *gpu;  // GPU work, not launches
     }
     first = std::clamp(first, planned, drained);
     last = std::clamp(last, first, drained);

@@ -92,9 +92,12 @@ struct cuda_linreg {
     dparallel::cuda::device_guard g(dev.index);
     cudaStream_t const st = dparallel::cuda::current_stream();
     std::size_t const n = s.x.rows();
-    buf x(s.x.size(), dev, st), y(n, dev, st), r(n, dev, st), loss(1, dev, st);
-    check(cudaMemcpyAsync(x.data(), s.x.data(), s.x.size() * sizeof(T), cudaMemcpyHostToDevice, st));
-    check(cudaMemcpyAsync(y.data(), s.y.data(), n * sizeof(T), cudaMemcpyHostToDevice, st));
+    auto const scratch = dparallel::cuda::uninitialized;  // every element is written before it is read
+    buf x(s.x.size(), dev, st, scratch), y(n, dev, st, scratch), r(n, dev, st, scratch), loss(1, dev, st, scratch);
+    // The shard is host memory (outside DataParallel) or memory of this GPU (DataParallel's
+    // scatter put it there): cudaMemcpyDefault reads either.
+    check(cudaMemcpyAsync(x.data(), s.x.data(), s.x.size() * sizeof(T), cudaMemcpyDefault, st));
+    check(cudaMemcpyAsync(y.data(), s.y.data(), n * sizeof(T), cudaMemcpyDefault, st));
     kernels::residuals<<<blocks(n), 128, 0, st>>>(w.data(), b.data(), x.data(), y.data(), r.data(), n, dim);
     kernels::gradients<<<blocks(dim + 1), 128, 0, st>>>(r.data(), x.data(), gw.data(), gb.data(), loss.data(),
                                                         seen.data(), n, dim);
@@ -104,9 +107,15 @@ struct cuda_linreg {
     check(cudaStreamSynchronize(st));
     return out;
   }
+  /// Per-sample predictions, computed on the host from the samples wherever they live.
   std::vector<T> predict(samples<T> const& s) {
     auto const h = to_host();
-    return h.predict(s);
+    if (s.x.device().kind != dparallel::device_kind::cuda) return h.predict(s);
+    std::vector<T> x(s.x.size()), y(s.y.size());
+    check(cudaStreamSynchronize(dparallel::cuda::current_stream()));  // the shard's copy is on this stream
+    check(cudaMemcpy(x.data(), s.x.data(), x.size() * sizeof(T), cudaMemcpyDefault));
+    check(cudaMemcpy(y.data(), s.y.data(), y.size() * sizeof(T), cudaMemcpyDefault));
+    return h.predict(samples<T>{dparallel::tensor_view<T const>(x.data(), x.size(), s.x.rows()), dparallel::view(y)});
   }
   void sgd(T lr) {
     dparallel::cuda::device_guard g(dev.index);

@@ -35,6 +35,9 @@ struct model_of<gpu, T> {
 template <>
 std::vector<std::byte> read_back<gpu>(dpl::tensor_ref t) {
   std::vector<std::byte> out(t.size_bytes());
+  // The view's own GPU current: cudaDeviceSynchronize waits for the current device only, and its
+  // pool memory need not be accessible from any other.
+  dpl::cuda::device_guard on(t.device().index);
   dpl::cuda::check(cudaDeviceSynchronize(), "read_back");
   if (!out.empty()) dpl::cuda::check(cudaMemcpy(out.data(), t.data(), out.size(), cudaMemcpyDefault), "read_back");
   return out;
@@ -84,7 +87,117 @@ dpl::cuda::device_buffer<T> upload(std::vector<T> const& v) {
 }
 }  // namespace
 
-TEST_CASE("CUDA kernels equal the host kernels bit for bit (float, double), any length and alignment",
+namespace {
+/// Keeps GPU `ordinal` busy for about `ms` milliseconds (at 1-2 GHz) on `s`.
+__global__ void spin(long long cycles) {
+  long long const t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+void busy(cudaStream_t s, int ms) {
+  spin<<<1, 1, 0, s>>>(static_cast<long long>(ms) * 1'500'000);
+  dpl::cuda::check(cudaGetLastError(), "spin");
+}
+
+/// DataParallel over `devs` on a batch that lives in GPU memory (`on_gpu`) or in host memory: the
+/// gradient equals one device's on the whole batch, and every step function received its shard in
+/// the memory of its own GPU.
+template <class T>
+void check_dp_moves_shards(std::vector<dpl::device> const& devs, std::size_t b, bool on_gpu) {
+  using model = test::cuda_linreg<T>;
+  INFO("devices = " << devs.size() << ", batch = " << b << ", batch on the GPU = " << on_gpu);
+  auto const data = test::dataset<T>::make(b, 4, 77 + b, true);
+  model ref(4, 7);
+  ref.forward_backward(data.all());
+  auto const want = test::flat_on<gpu>(ref, true);
+  dpl::device const home{dpl::device_kind::cuda, 0, 0};
+  dpl::cuda::device_buffer<T> x, y;
+  test::samples<T> batch = data.all();
+  if (on_gpu) {
+    x = upload(data.x);
+    y = upload(data.y);
+    batch = test::samples<T>{dpl::tensor_view<T const>(x.data(), x.size(), b, home),
+                             dpl::tensor_view<T const>(y.data(), y.size(), b, home)};
+  }
+  model master(4, 7);
+  dpl::parallel<model, dpl::dp, gpu> dp(master, devs);
+  std::vector<int> placed(devs.size(), -1);
+  std::vector<double> first;
+  for (int round = 0; round < 2; ++round) {  // the second step reuses the shard buffers
+    dp.step(batch, [&](model& m, test::samples<T> shard, dpl::step_context& ctx) {
+      bool const own = shard.x.device().kind == dpl::device_kind::cuda &&
+                       dpl::cuda::pointer_ordinal(shard.x.data()) == ctx.device().index &&
+                       dpl::cuda::pointer_ordinal(shard.y.data()) == ctx.device().index;
+      placed[static_cast<std::size_t>(ctx.replica())] = own ? 1 : 0;
+      return m.forward_backward(shard);
+    });
+    for (std::size_t i = 0; i < devs.size(); ++i)
+      if (dp.last_shard_sizes()[i] != 0) CHECK(placed[i] == 1);
+    auto const got = test::flat_on<gpu>(master, true);
+    CHECK(test::rel_error(got, want) <= 1e-6);
+    if (round == 0) first = got;
+    else CHECK(got == first);  // the same step again, through the reused buffers: the same bits
+  }
+}
+}  // namespace
+
+TEST_CASE("CUDA DP over lanes of one GPU moves host and device batches to each lane", "[cuda][dp][scatter]") {
+  for (int n : {2, 3, 4})
+    for (std::size_t b : {std::size_t{5}, std::size_t{64}})
+      for (bool on_gpu : {false, true}) {
+        check_dp_moves_shards<float>(dpl::cuda::logical_devices(n, 0), b, on_gpu);
+        check_dp_moves_shards<double>(dpl::cuda::logical_devices(n, 0), b, on_gpu);
+      }
+}
+
+TEST_CASE("CUDA DP over distinct GPUs copies shards and gradient slices between them", "[cuda][dp][scatter][multi]") {
+  int const gpus = dpl::cuda::device_count();
+  if (gpus < 2) {
+    WARN("one GPU: DataParallel over distinct GPUs is not exercised (lanes of one GPU are)");
+    return;
+  }
+  for (int n = 2; n <= std::min(gpus, 4); ++n)
+    for (bool on_gpu : {false, true}) check_dp_moves_shards<float>(dpl::cuda::devices(n), 64, on_gpu);
+  // Two lanes on each of two GPUs: in place within a GPU, copies across.
+  std::vector<dpl::device> const mixed{{dpl::device_kind::cuda, 0, 0}, {dpl::device_kind::cuda, 1, 0},
+                                       {dpl::device_kind::cuda, 0, 1}, {dpl::device_kind::cuda, 1, 1}};
+  check_dp_moves_shards<double>(mixed, 65, true);
+}
+
+TEST_CASE("CUDA weighted_sum specialised on 1-8 sources and the generic loop agree with the host", "[cuda][kernels]") {
+  dpl::device const d{dpl::device_kind::cuda, 0, 0};
+  std::size_t const n = 4099;  // a tail after the 16-byte packs
+  for (std::size_t sources : {std::size_t{4}, std::size_t{6}, std::size_t{7}, std::size_t{9}, std::size_t{32}}) {
+    for (std::size_t shift : {std::size_t{0}, std::size_t{4}}) {  // 16-byte aligned, then not
+      test::rng g{sources * 7 + shift};
+      std::vector<std::vector<double>> hs;
+      std::vector<double> w;
+      std::vector<dpl::cuda::device_buffer<double>> ds;
+      std::vector<dpl::tensor_ref> dsrc, hsrc;
+      for (std::size_t k = 0; k < sources; ++k) {
+        std::vector<double> v(n + shift);
+        for (auto& x : v) x = g.uniform() * 2 - 1;
+        hs.push_back(v);
+        w.push_back(g.uniform());
+      }
+      for (auto& v : hs) {
+        ds.push_back(upload(v));
+        dsrc.push_back(dpl::tensor_ref(ds.back().data() + shift, n, dpl::dtype::f64, d));
+        hsrc.push_back(dpl::tensor_ref(v.data() + shift, n, dpl::dtype::f64));
+      }
+      std::vector<double> hout(n);
+      dpl::host::weighted_sum(dpl::view(hout), hsrc, w);
+      dpl::cuda::device_buffer<double> dout(n + shift, d);
+      dpl::cuda::weighted_sum(nullptr, d, dpl::tensor_ref(dout.data() + shift, n, dpl::dtype::f64, d), dsrc, w);
+      auto got = download(dout);
+      got.erase(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(shift));
+      INFO("sources = " << sources << ", shift = " << shift);
+      CHECK(got == hout);
+    }
+  }
+}
+
+TEST_CASE("CUDA kernels equal the host kernels bit for bit (float and double) at any length and alignment",
           "[cuda][kernels]") {
   dpl::device const d{dpl::device_kind::cuda, 0, 0};
   for (std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{1000}, std::size_t{100003}}) {
@@ -167,7 +280,7 @@ TEST_CASE("CUDA streams order work across logical devices and report errors at s
   a.synchronize();  // cleared
 }
 
-TEST_CASE("CUDA bad input: views on the wrong device, ordinals beyond the count", "[cuda][errors]") {
+TEST_CASE("CUDA bad input: views on the wrong device and ordinals beyond the count", "[cuda][errors]") {
   int const n = dpl::cuda::device_count();
   CHECK_THROWS_WITH(dpl::cuda::check_device(dpl::device{dpl::device_kind::cuda, n, 0}),
                     Catch::Contains("GPU(s) are visible"));
@@ -187,7 +300,7 @@ TEST_CASE("CUDA bad input: views on the wrong device, ordinals beyond the count"
 }
 
 #ifdef DPARALLEL_TEST_NCCL
-TEST_CASE("CUDA DP with NCCL broadcast/reduce (distinct GPUs; lanes of one GPU fall back) gives the one-device gradient",
+TEST_CASE("CUDA DP with NCCL broadcast and reduce gives the one-device gradient (lanes of one GPU fall back)",
           "[cuda][nccl][dp][contract]") {
   for (int n = 1; n <= 4; ++n)
     for (std::size_t b : {std::size_t{1}, std::size_t{7}, std::size_t{64}}) {
@@ -237,8 +350,11 @@ TEST_CASE("CUDA DDP over NCCL thread ranks equals one device on the global batch
 }
 #endif
 
-TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory, in order, for 0 and 2 workers",
+TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory in order for 0 and 2 workers",
           "[cuda][loader]") {
+  // The legacy stream is kept busy meanwhile: a batch zeroed there after its copy (the stage once
+  // did that) would come out as zeros; the stage allocates and copies on its own stream only.
+  for (int i = 0; i < 8; ++i) busy(nullptr, 25);
   std::vector<std::size_t> order(40);
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = (i * 7) % order.size();
   auto const make = [](std::span<std::size_t const> idx) {
@@ -251,6 +367,7 @@ TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory, in or
                         dpl::cuda::to_device{dpl::device{dpl::device_kind::cuda, 0, 0}});
     std::size_t k = 0;
     for (auto& b : batches) {
+      busy(nullptr, 10);
       auto const want = make(std::span<std::size_t const>(order).subspan(k * 6, std::min<std::size_t>(6, order.size() - k * 6)));
       CHECK(b.view().device() == dpl::device{dpl::device_kind::cuda, 0, 0});
       CHECK(download(b.data) == want);
@@ -258,4 +375,39 @@ TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory, in or
     }
     CHECK(k == batches.size());
   }
+}
+
+TEST_CASE("CUDA device_guard leaves a thread without a context on the GPU it chose", "[cuda][device]") {
+  int const gpus = dpl::cuda::device_count();
+  int const target = gpus - 1;  // GPU 1 when there are two or more: then GPU 0 must stay untouched
+  int after = -1;
+  bool before_context = true, after_context = false;
+  std::thread([&] {
+    before_context = dpl::cuda::detail::has_current_context();
+    { dpl::cuda::device_guard g(target); }
+    after_context = dpl::cuda::detail::has_current_context();
+    (void)cudaGetDevice(&after);
+  }).join();
+  CHECK_FALSE(before_context);
+  CHECK(after_context);
+  CHECK(after == target);  // not "restored" to the device 0 that cudaGetDevice reported before
+  // A thread that chose a device gets it back.
+  std::thread([&] {
+    dpl::cuda::check(cudaSetDevice(target), "cudaSetDevice");
+    { dpl::cuda::device_guard g(0); }
+    (void)cudaGetDevice(&after);
+  }).join();
+  CHECK(after == target);
+}
+
+TEST_CASE("CUDA stream events are recorded on the stream's GPU whatever the work left current", "[cuda][stream]") {
+  int const gpus = dpl::cuda::device_count();
+  dpl::cuda::stream s(dpl::device{dpl::device_kind::cuda, 0, 0});
+  auto const e = s.enqueue([gpus] { dpl::cuda::check(cudaSetDevice(gpus - 1), "cudaSetDevice"); });
+  CHECK_NOTHROW(e.wait());
+  auto const timed = s.enqueue_timed([] { busy(dpl::cuda::current_stream(), 5); });
+  s.synchronize();
+  REQUIRE(timed.gpu_elapsed().has_value());
+  CHECK(timed.gpu_elapsed()->count() > 0);
+  CHECK_FALSE(e.gpu_elapsed().has_value());  // untimed work has no GPU time
 }

@@ -7,10 +7,13 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
+#include <dparallel/core/profile.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <cstddef>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -71,6 +74,24 @@ struct replica_set {
     for (auto&& t : tensors) out.emplace_back(t);
   }
 };
+
+/// Enqueues a step function's work on `s`, timed on the device when the stream can
+/// (`s.enqueue_timed`: cuda::stream records timing events around it), plainly otherwise.
+template <class Stream, class F>
+auto enqueue_compute(Stream& s, F&& fn) {
+  if constexpr (requires { s.enqueue_timed(std::forward<F>(fn)); }) return s.enqueue_timed(std::forward<F>(fn));
+  else return s.enqueue(std::forward<F>(fn));
+}
+
+/// The device's own measure of the completed work behind `e` (cuda::event::gpu_elapsed), when its
+/// backend has one: what auto_balance should compare, since on a GPU the host only sees launches.
+template <class Event>
+std::optional<profile_duration> device_time(Event const& e) {
+  if constexpr (requires { e.gpu_elapsed(); }) {
+    if (auto t = e.gpu_elapsed()) return std::chrono::duration_cast<profile_duration>(*t);
+  }
+  return std::nullopt;
+}
 
 }  // namespace detail
 DPARALLEL_NAMESPACE_END

@@ -2,6 +2,7 @@
 // Scatter policies: how many samples of the batch given to step() each local device receives.
 
 #include <dparallel/config.hpp>
+#include <dparallel/core/batch.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/partition.hpp>
@@ -10,7 +11,11 @@
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
+#include <span>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -30,6 +35,55 @@ concept scatter_policy = std::semiregular<P> && requires(P& p, std::size_t b, st
 /// device's compute time among it). Optional: policies without observe() are never told.
 template <class P>
 concept observing_scatter_policy = scatter_policy<P> && requires(P& p, step_profile const& s) { p.observe(s); };
+
+namespace detail {
+/// Backends that move each DataParallel shard to its device (cuda::backend):
+/// `Backend::place_shard(stream, views)` runs in the shard's work on `stream` and rewrites the
+/// views it must copy to views of the stream's device. Backends without it (host::backend) hand
+/// the step function zero-copy views of the caller's batch.
+template <class Backend>
+concept places_shards = requires(typename Backend::stream_type& s, std::span<tensor_ref> v) {
+  Backend::place_shard(s, v);
+};
+
+/// Calls f(view) for every tensor_view inside a shard: the shard itself, the members of a tuple,
+/// pair or plain aggregate (recursively). Other members (std::span, ...) are left alone.
+template <class S, class F>
+void for_each_view(S& shard, F&& f) {
+  if constexpr (requires { typename S::element_type; shard.slice_rows(0, 0); }) {
+    f(shard);
+  } else if constexpr (tuple_like<S>) {
+    std::apply([&](auto&... m) { (for_each_view(m, f), ...); }, shard);
+  } else if constexpr (batch_aggregate<S>) {
+    // members_of gives const references; `shard` itself is not const.
+    std::apply([&](auto const&... m) { (for_each_view(const_cast<std::remove_cvref_t<decltype(m)>&>(m), f), ...); },
+               members_of(std::as_const(shard)));
+  }
+}
+
+/// DataParallel's scatter step on device `s`: the shard with every view the backend must move
+/// replaced by its copy on `s`'s device (Backend::place_shard); unchanged on other backends.
+template <class Backend, class Shard>
+Shard place_shard(typename Backend::stream_type& s, Shard shard) {
+  if constexpr (places_shards<Backend>) {
+    thread_local std::vector<tensor_ref> views;  // the launch thread's own list, refilled in place
+    views.clear();
+    // Read-only views too: the backend only reads through them (they are the sources of its copies).
+    for_each_view(shard, [](auto const& v) {
+      views.emplace_back(const_cast<void*>(static_cast<void const*>(v.data())), v.size(), v.dtype(), v.device());
+    });
+    if (views.empty()) return shard;
+    Backend::place_shard(s, std::span<tensor_ref>(views));
+    std::size_t k = 0;
+    for_each_view(shard, [&k](auto& v) {
+      using view = std::remove_cvref_t<decltype(v)>;
+      tensor_ref const r = views[k++];
+      v = view(static_cast<typename view::element_type*>(r.data()), v.size(), v.rows(), r.device());
+    });
+  }
+  return shard;
+}
+}  // namespace detail
 
 namespace policy {
 

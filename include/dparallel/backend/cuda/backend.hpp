@@ -6,6 +6,15 @@
 //   dparallel::data_parallel<my_model, dparallel::cuda::backend> dp(model, dparallel::cuda::devices(2));
 //
 // Inside a step function, launch the model's kernels on dparallel::cuda::current_stream().
+//
+// Moving data between logical devices (backend/cuda/topology.hpp): lanes of one GPU read each
+// other's memory in place; between distinct GPUs every byte travels by cudaMemcpyPeerAsync into a
+// persistent buffer of the reading GPU's stream, and kernels touch local memory only. DataParallel
+// on this backend is therefore correct on any set of GPUs: its shards are copied to their devices
+// (place_shard), its replicas receive the master's parameters by peer copies (copy_all, on the
+// replica's stream), and its reduction stages the other GPUs' gradient slices before summing
+// (weighted_sum), as PyTorch's DataParallel does with scatter, broadcast_coalesced and
+// reduce_add_coalesced.
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/device.hpp>
@@ -14,6 +23,7 @@
 #include <dparallel/backend/cuda/kernels.hpp>
 #include <dparallel/backend/cuda/memory.hpp>
 #include <dparallel/backend/cuda/stream.hpp>
+#include <dparallel/backend/cuda/topology.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/profile.hpp>
@@ -22,7 +32,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstring>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +54,67 @@ inline device_properties describe_device(device d) {
   out.name = p.name;
   return out;
 }
+
+namespace detail {
+
+/// The views' GPU ordinals (-1: host memory) and byte sizes, then their staging plan for work on
+/// GPU `here`. The lists are the launch thread's own, refilled in place (no allocation once grown).
+inline staging_plan const& plan_for(int here, std::span<tensor_ref const> views) {
+  thread_local std::vector<int> ordinals;
+  thread_local std::vector<std::size_t> sizes;
+  thread_local staging_plan plan;
+  ordinals.clear();
+  sizes.clear();
+  for (auto const& v : views) {
+    ordinals.push_back(v.device().kind == device_kind::cuda ? v.device().index : -1);
+    sizes.push_back(v.size_bytes());
+  }
+  plan_staging(here, ordinals, sizes, plan);
+  return plan;
+}
+
+/// `v` (another GPU's memory, or host memory) copied into `at` (memory of stream `s`'s GPU) on `s`
+/// (cudaMemcpyPeerAsync between GPUs), the stream
+/// of the GPU that reads it: the copy is ordered after the stream's earlier work (the waits the
+/// policies put on it) and before its later kernels. Returns the local view.
+inline tensor_ref stage_from_peer(stream& s, tensor_ref v, std::byte* at) {
+  if (v.device().kind == device_kind::cuda)
+    check(cudaMemcpyPeerAsync(at, s.device_index(), v.data(), v.device().index, v.size_bytes(), s.native()),
+          "cudaMemcpyPeerAsync", s.logical_device());
+  else  // host memory (pageable: the runtime stages it)
+    check(cudaMemcpyAsync(at, v.data(), v.size_bytes(), cudaMemcpyDefault, s.native()), "cudaMemcpyAsync",
+          s.logical_device());
+  return tensor_ref(at, v.size(), v.dtype(), s.logical_device());
+}
+
+/// Several weighted sums, run in work on `s`: for each j, dst[j] = sum_k w[k] * srcs[j*m + k]
+/// (m = w.size()). Views on other GPUs are copied into the stream's persistent staging first; a
+/// destination on another GPU is computed in staging and copied back, all on `s`.
+inline void staged_weighted_sums(stream& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
+                                 std::span<double const> w) {
+  int const here = s.device_index();
+  std::size_t const m = w.size();
+  thread_local std::vector<tensor_ref> views, local;
+  views.assign(dst.begin(), dst.end());
+  views.insert(views.end(), srcs.begin(), srcs.end());
+  staging_plan const& plan = plan_for(here, views);
+  std::byte* const base = plan.bytes != 0 ? s.staging(1, plan.bytes) : nullptr;
+  local.assign(views.begin(), views.end());
+  for (std::size_t i = dst.size(); i < views.size(); ++i)
+    if (plan.offset[i] != staging_plan::npos) local[i] = stage_from_peer(s, views[i], base + plan.offset[i]);
+  for (std::size_t j = 0; j < dst.size(); ++j) {
+    if (plan.offset[j] != staging_plan::npos)
+      local[j] = tensor_ref(base + plan.offset[j], dst[j].size(), dst[j].dtype(), s.logical_device());
+    cuda::weighted_sum(s.native(), s.logical_device(), local[j],
+                       std::span<tensor_ref const>(local).subspan(dst.size() + j * m, m), w);
+    if (plan.offset[j] != staging_plan::npos)
+      check(cudaMemcpyPeerAsync(dst[j].data(), dst[j].device().index, local[j].data(), here, dst[j].size_bytes(),
+                                s.native()),
+            "cudaMemcpyPeerAsync", s.logical_device());
+  }
+}
+
+}  // namespace detail
 
 /// The backend tag handed to parallel<>.
 struct backend {
@@ -92,24 +165,75 @@ struct backend {
     static void zero(tensor_ref dst) { cuda::zero(current_stream(), current_device(), dst); }
   };
 
-  /// `bytes` zeroed bytes of `d`'s GPU memory (bucket storage).
-  static std::shared_ptr<std::byte> allocate(device d, std::size_t bytes) { return cuda::allocate(d, bytes); }
+  /// `bytes` zeroed bytes of `d`'s GPU memory (bucket storage), zeroed on the calling thread's
+  /// stream when it runs work of `d`'s GPU, else zeroed and waited for (cuda::allocate).
+  static std::shared_ptr<std::byte> allocate(device d, std::size_t bytes) {
+    auto const& cur = cuda::detail::current();
+    return cuda::allocate(d, bytes, cur.set && cur.dev.index == d.index ? cur.stream : nullptr);
+  }
 
   /// Enqueues dst = src on `s`; the event completes when the copy has.
   static event copy(stream_type& s, tensor_ref dst, tensor_ref src) {
     return s.enqueue([&s, dst, src] { cuda::copy(s.native(), s.logical_device(), dst, src); });
   }
-  /// Copies each src[i] to dst[i], launched as one piece of work.
+  /// Copies each src[i] to dst[i], launched as one piece of work on `s` (the destination's stream:
+  /// between GPUs, cudaMemcpyPeerAsync into the replica's own memory).
   static event copy_all(stream_type& s, std::vector<tensor_ref> dst, std::vector<tensor_ref> src) {
     return s.enqueue([&s, dst = std::move(dst), src = std::move(src)] {
+      for (std::size_t i = 0; i < dst.size(); ++i) cuda::copy(s.native(), s.logical_device(), dst[i], src[i]);
+    });
+  }
+  /// copy_all over borrowed lists (kept alive and unchanged by the caller until the event completes).
+  static event copy_all(stream_type& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> src) {
+    dparallel::detail::require(dst.size() == src.size(),
+                               "cuda::backend::copy_all: expected as many destinations as sources, found " +
+                                   std::to_string(dst.size()) + " and " + std::to_string(src.size()));
+    return s.enqueue([&s, dst, src] {
       for (std::size_t i = 0; i < dst.size(); ++i) cuda::copy(s.native(), s.logical_device(), dst[i], src[i]);
     });
   }
   /// Enqueues dst = sum_k w[k] * srcs[k] on `s` (host::weighted_sum's pairwise order).
   static event weighted_sum(stream_type& s, tensor_ref dst, std::vector<tensor_ref> srcs, std::vector<double> w) {
     return s.enqueue([&s, dst, srcs = std::move(srcs), w = std::move(w)] {
-      cuda::weighted_sum(s.native(), s.logical_device(), dst, srcs, w);
+      detail::staged_weighted_sums(s, std::span<tensor_ref const>(&dst, 1), srcs, w);
     });
+  }
+  /// Several weighted sums over borrowed lists, as one piece of work on `s`: for each j,
+  /// dst[j] = sum_k w[k] * srcs[j * w.size() + k]. Views on other GPUs are staged (see above).
+  static event weighted_sum(stream_type& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
+                            std::span<double const> w) {
+    dparallel::detail::require(srcs.size() == dst.size() * w.size(),
+                               "cuda::backend::weighted_sum: expected " + std::to_string(w.size()) +
+                                   " sources (one per weight) for each of the " + std::to_string(dst.size()) +
+                                   " destinations, found " + std::to_string(srcs.size()) + " sources");
+    return s.enqueue([&s, dst, srcs, w] { detail::staged_weighted_sums(s, dst, srcs, w); });
+  }
+
+  /// DataParallel's scatter hook, called in the shard's work on `s`: rewrites each view of the
+  /// shard that is not memory of `s`'s GPU to a copy in the stream's persistent shard buffer (a
+  /// lane of the same GPU reads in place). Host views go through the stream's pinned staging
+  /// (memcpy, then cudaMemcpyAsync host to device on `s`); other GPUs' views by
+  /// cudaMemcpyPeerAsync on `s`, the target's stream. The buffers are reused by the next step,
+  /// which starts after this one drained its streams.
+  static void place_shard(stream_type& s, std::span<tensor_ref> views) {
+    staging_plan const& plan = detail::plan_for(s.device_index(), views);
+    if (plan.bytes == 0) return;
+    std::byte* const dev = s.staging(0, plan.bytes);
+    std::byte* pinned = nullptr;
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      std::size_t const off = plan.offset[i];
+      if (off == staging_plan::npos) continue;
+      tensor_ref const v = views[i];
+      if (v.device().kind == device_kind::cuda) {
+        views[i] = detail::stage_from_peer(s, v, dev + off);
+        continue;
+      }
+      if (pinned == nullptr) pinned = s.pinned_staging(plan.bytes);
+      std::memcpy(pinned + off, v.data(), v.size_bytes());
+      check(cudaMemcpyAsync(dev + off, pinned + off, v.size_bytes(), cudaMemcpyHostToDevice, s.native()),
+            "cudaMemcpyAsync", s.logical_device());
+      views[i] = tensor_ref(dev + off, v.size(), v.dtype(), s.logical_device());
+    }
   }
 };
 

@@ -3,14 +3,16 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/error.hpp>
+#include <dparallel/backend/cuda/topology.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <map>
 #include <mutex>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -100,27 +102,46 @@ inline void check_pointer(tensor_ref t, char const* what) {
   }
 }
 
-/// Enables peer access from GPU `from` to GPU `to` once per process; false when the pair cannot
-/// (then transfers go through cudaMemcpyPeerAsync, which stages them, and kernels never read the
-/// peer's memory directly).
-inline bool peer_access(int from, int to) {
-  if (from == to) return true;
+/// The transport between GPUs `from` and `to` (topology.hpp), asked of the driver once per pair.
+/// For a peer pair, direct access is granted both ways, once per process, for cudaMalloc memory
+/// (cudaDeviceEnablePeerAccess) and for each GPU's default memory pool (cudaMemPoolSetAccess:
+/// pool allocations do not follow cudaDeviceEnablePeerAccess; CUDA Programming Guide, "Stream
+/// Ordered Memory Allocator", device accessibility for multi-GPU support). The backend still never
+/// launches a kernel on other GPUs' memory (a model may allocate from another pool): the grants
+/// let cudaMemcpyPeerAsync go GPU to GPU directly.
+inline transport link(int from, int to) {
+  if (from == to) return transport::same_gpu;
   static std::mutex m;
-  static std::set<std::pair<int, int>> enabled, refused;
+  static std::map<std::pair<int, int>, transport> known;
   std::lock_guard lock(m);
-  if (enabled.count({from, to}) != 0) return true;
-  if (refused.count({from, to}) != 0) return false;
-  int can = 0;
-  bool ok = cudaDeviceCanAccessPeer(&can, from, to) == cudaSuccess && can != 0;
-  if (ok) {
-    device_guard g(from);
-    cudaError_t const e = cudaDeviceEnablePeerAccess(to, 0);
-    ok = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+  auto const key = std::pair{std::min(from, to), std::max(from, to)};
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int ab = 0, ba = 0;
+  bool const can = cudaDeviceCanAccessPeer(&ab, from, to) == cudaSuccess &&
+                   cudaDeviceCanAccessPeer(&ba, to, from) == cudaSuccess && ab != 0 && ba != 0;
+  transport t = choose_transport(from, to, can);
+  if (t == transport::peer) {
+    for (auto [a, b] : {std::pair{from, to}, std::pair{to, from}}) {
+      device_guard g(a);
+      cudaError_t const e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) t = transport::copy;
+      cudaMemPool_t pool = nullptr;
+      if (cudaDeviceGetDefaultMemPool(&pool, b) == cudaSuccess) {
+        cudaMemAccessDesc d{};
+        d.location.type = cudaMemLocationTypeDevice;
+        d.location.id = a;
+        d.flags = cudaMemAccessFlagsProtReadWrite;
+        (void)cudaMemPoolSetAccess(pool, &d, 1);
+      }
+    }
   }
   (void)cudaGetLastError();
-  (ok ? enabled : refused).insert({from, to});
-  return ok;
+  known.emplace(key, t);
+  return t;
 }
+
+/// True when GPUs `from` and `to` are one GPU or can access each other (see link()).
+inline bool peer_access(int from, int to) { return link(from, to) != transport::copy; }
 
 namespace detail {
 struct current_state {

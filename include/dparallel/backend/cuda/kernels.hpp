@@ -7,7 +7,11 @@
 // weighted_sum adds the weighted sources in the pairwise order of host::weighted_sum (a binary
 // counter over the sources, the leftovers folded right to left), with rounded multiplications
 // (__fmul_rn / __dmul_rn) so the compiler cannot fuse them into FMAs: the result does not depend
-// on which device computes it, and repeats bit for bit.
+// on which device computes it, and repeats bit for bit. For up to 8 sources the kernel is
+// specialised on the count (the summation tree is unrolled at compile time, so the partial sums
+// live in registers, not in a dynamically indexed local array) and reads 16-byte packs when every
+// pointer allows it; more sources (up to 32) take the generic loop. Every view must be memory of
+// the launching GPU: cuda::backend stages other GPUs' views first (backend/cuda/topology.hpp).
 //
 // Compile with nvcc (this header defines device code).
 
@@ -15,7 +19,6 @@
 #include <dparallel/backend/cuda/device.hpp>
 #include <dparallel/backend/cuda/dtype.hpp>
 #include <dparallel/backend/cuda/error.hpp>
-#include <dparallel/backend/cuda/memory.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -27,7 +30,9 @@
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/transform.h>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
@@ -129,6 +134,111 @@ struct weighted_sum_op {
   }
 };
 
+/// The summation tree of host::weighted_sum over t[First .. First + N), unrolled: the largest
+/// power-of-two block first, summed as a balanced tree, plus the fold of the rest (the binary
+/// counter's merges, then its right-to-left fold of the leftovers).
+template <unsigned N>
+inline constexpr unsigned floor_pow2 = 2 * floor_pow2<N / 2>;  // a variable: usable in device code
+template <>
+inline constexpr unsigned floor_pow2<1> = 1;
+template <class A, unsigned First, unsigned Count>
+__device__ inline A balanced(A const* t) {
+  if constexpr (Count == 1) return t[First];
+  else return add_rn(balanced<A, First, Count / 2>(t), balanced<A, First + Count / 2, Count / 2>(t));
+}
+template <class A, unsigned First, unsigned N>
+__device__ inline A fold(A const* t) {
+  constexpr unsigned P = floor_pow2<N>;
+  if constexpr (P == N) return balanced<A, First, N>(t);
+  else return add_rn(balanced<A, First, P>(t), fold<A, First + P, N - P>(t));
+}
+
+/// The arguments of the specialised kernel: N sources, passed by value in the parameter block.
+template <class T, unsigned N>
+struct weighted_sum_args {
+  T* dst;
+  T const* src[N];
+  typename acc<T>::type w[N];
+};
+
+/// dst = sum_k w[k] * src[k] over n elements; the first `packs` 16-byte packs are read as packs
+/// (every pointer is 16-byte aligned then), the rest one element at a time. Grid-stride loops.
+template <class T, unsigned N>
+__global__ void weighted_sum_kernel(weighted_sum_args<T, N> a, std::size_t n, std::size_t packs) {
+  using A = typename acc<T>::type;
+  constexpr unsigned V = 16 / sizeof(T);
+  struct alignas(16) pack {
+    T v[V];
+  };
+  std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  std::size_t const first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (std::size_t p = first; p < packs; p += stride) {
+    pack in[N];
+#pragma unroll
+    for (unsigned k = 0; k < N; ++k) in[k] = reinterpret_cast<pack const*>(a.src[k])[p];
+    pack out;
+#pragma unroll
+    for (unsigned e = 0; e < V; ++e) {
+      A t[N];
+#pragma unroll
+      for (unsigned k = 0; k < N; ++k) t[k] = mul_rn(a.w[k], load<A>(in[k].v[e]));
+      out.v[e] = store<T>(fold<A, 0, N>(t));
+    }
+    reinterpret_cast<pack*>(a.dst)[p] = out;
+  }
+  for (std::size_t i = packs * V + first; i < n; i += stride) {
+    A t[N];
+#pragma unroll
+    for (unsigned k = 0; k < N; ++k) t[k] = mul_rn(a.w[k], load<A>(a.src[k][i]));
+    a.dst[i] = store<T>(fold<A, 0, N>(t));
+  }
+}
+
+/// Launches the specialised kernel for N sources on stream `s`.
+template <class T, unsigned N>
+void launch_weighted_sum(cudaStream_t s, T* dst, T const* const* src, typename acc<T>::type const* w,
+                         std::size_t n) {
+  weighted_sum_args<T, N> a{};
+  a.dst = dst;
+  bool aligned = reinterpret_cast<std::uintptr_t>(dst) % 16 == 0;
+  for (unsigned k = 0; k < N; ++k) {
+    a.src[k] = src[k];
+    a.w[k] = w[k];
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(src[k]) % 16 == 0;
+  }
+  constexpr std::size_t V = 16 / sizeof(T);
+  std::size_t const packs = aligned ? n / V : 0;
+  std::size_t const units = packs + (n - packs * V);
+  constexpr unsigned threads = 256;
+  auto const blocks = static_cast<unsigned>(std::min<std::size_t>((units + threads - 1) / threads, 4096));
+  weighted_sum_kernel<T, N><<<blocks, threads, 0, s>>>(a, n, packs);
+}
+
+/// Dispatches on the source count: 1..8 to the specialised kernel, more to the generic loop.
+template <class T>
+void weighted_sum_any(cudaStream_t s, T* dst, T const* const* src, typename acc<T>::type const* w, std::size_t count,
+                      std::size_t n) {
+  switch (count) {
+    case 1: launch_weighted_sum<T, 1>(s, dst, src, w, n); return;
+    case 2: launch_weighted_sum<T, 2>(s, dst, src, w, n); return;
+    case 3: launch_weighted_sum<T, 3>(s, dst, src, w, n); return;
+    case 4: launch_weighted_sum<T, 4>(s, dst, src, w, n); return;
+    case 5: launch_weighted_sum<T, 5>(s, dst, src, w, n); return;
+    case 6: launch_weighted_sum<T, 6>(s, dst, src, w, n); return;
+    case 7: launch_weighted_sum<T, 7>(s, dst, src, w, n); return;
+    case 8: launch_weighted_sum<T, 8>(s, dst, src, w, n); return;
+    default: break;
+  }
+  weighted_sum_op<T> op{};
+  op.dst = dst;
+  op.count = static_cast<unsigned>(count);
+  for (std::size_t k = 0; k < count; ++k) {
+    op.src[k] = src[k];
+    op.w[k] = w[k];
+  }
+  thrust::for_each_n(thrust::cuda::par_nosync.on(s), thrust::counting_iterator<std::size_t>(0), n, op);
+}
+
 /// Calls f(T{}) for the floating dtypes the CUDA backend computes with.
 template <class F>
 void dispatch_float(dtype t, F&& f, char const* what) {
@@ -160,7 +270,7 @@ inline void copy(cudaStream_t s, device at, tensor_ref dst, tensor_ref src) {
   if (dst.size() == 0 || dst.data() == src.data()) return;
   bool const both_gpu = dst.device().kind == device_kind::cuda && src.device().kind == device_kind::cuda;
   if (both_gpu && dst.device().index != src.device().index) {
-    (void)peer_access(dst.device().index, src.device().index);
+    (void)link(dst.device().index, src.device().index);  // direct (P2P) when the pair allows it
     check(cudaMemcpyPeerAsync(dst.data(), dst.device().index, src.data(), src.device().index, dst.size_bytes(), s),
           "cudaMemcpyPeerAsync", at);
   } else {
@@ -207,7 +317,9 @@ inline void add_scaled(cudaStream_t s, device at, tensor_ref dst, tensor_ref src
 }
 
 /// dst = sum_k weights[k] * srcs[k], summed pairwise as host::weighted_sum does (dst may be one
-/// of the sources). Sources on another GPU without peer access are first copied to `at`'s GPU.
+/// of the sources). Every view must be memory of `at`'s GPU (a lane of it or the GPU itself): a
+/// kernel may not touch another GPU's pool memory without cudaMemPoolSetAccess (see
+/// topology.hpp), so cuda::backend stages remote views into local buffers before calling this.
 inline void weighted_sum(cudaStream_t s, device at, tensor_ref dst, std::span<tensor_ref const> srcs,
                          std::span<double const> weights) {
   dparallel::detail::require(!srcs.empty() && srcs.size() == weights.size(),
@@ -219,36 +331,28 @@ inline void weighted_sum(cudaStream_t s, device at, tensor_ref dst, std::span<te
                                  " sources, found " + std::to_string(srcs.size()));
   for (auto const& x : srcs) detail::check_same(dst, x, "cuda::weighted_sum");
   if (dst.size() == 0) return;
-  std::vector<device_buffer<std::byte>> staged;  // peers' memory this GPU cannot read directly
-  std::vector<void const*> ptr;
-  for (auto const& x : srcs) {
-    bool const remote = x.device().kind == device_kind::cuda && x.device().index != at.index;
-    if (remote && !peer_access(at.index, x.device().index)) {
-      staged.emplace_back(x.size_bytes(), at, s);
-      check(cudaMemcpyPeerAsync(staged.back().data(), at.index, x.data(), x.device().index, x.size_bytes(), s),
-            "cudaMemcpyPeerAsync", at);
-      ptr.push_back(staged.back().data());
-    } else {
-      ptr.push_back(x.data());
-    }
-  }
+  auto const local = [&](tensor_ref t) { return t.device().kind == device_kind::cuda && t.device().index == at.index; };
+  bool all_local = local(dst);
+  for (auto const& x : srcs) all_local = all_local && local(x);
+  dparallel::detail::require(all_local, "cuda::weighted_sum on " + to_string(at) +
+                                            ": expected every view in the memory of GPU " + std::to_string(at.index) +
+                                            ", found one elsewhere; copy it to this GPU first (cuda::backend's "
+                                            "weighted_sum stages other GPUs' views itself)");
   detail::dispatch_float(
       dst.dtype(),
       [&](auto zero_value) {
         using T = decltype(zero_value);
         using A = typename detail::acc<T>::type;
-        detail::weighted_sum_op<T> op{};
-        op.dst = static_cast<T*>(dst.data());
-        op.count = static_cast<unsigned>(srcs.size());
+        T const* src[detail::max_sources];
+        A w[detail::max_sources];
         for (std::size_t k = 0; k < srcs.size(); ++k) {
-          op.src[k] = static_cast<T const*>(ptr[k]);
-          op.w[k] = static_cast<A>(weights[k]);
+          src[k] = static_cast<T const*>(srcs[k].data());
+          w[k] = static_cast<A>(weights[k]);
         }
-        thrust::for_each_n(thrust::cuda::par_nosync.on(s), thrust::counting_iterator<std::size_t>(0), dst.size(), op);
+        detail::weighted_sum_any<T>(s, static_cast<T*>(dst.data()), src, w, srcs.size(), dst.size());
       },
       "cuda::weighted_sum");
   check(cudaGetLastError(), "cuda::weighted_sum", at);
-  // `staged` is freed in stream order after the kernel (cudaFreeAsync on `s`).
 }
 
 }  // namespace cuda

@@ -63,7 +63,10 @@ struct to_device {
     if (w.stream == nullptr || w.ordinal != dev.index) w.open(dev);
     if (w.staging.size() < n * sizeof(T)) w.staging = pinned_buffer<std::byte>(n * sizeof(T));
     if (n != 0) std::memcpy(w.staging.data(), std::data(host), n * sizeof(T));
-    device_batch<T> out{device_buffer<T>(n, dev, nullptr), rows};
+    // Allocated on the copy's own stream and left uninitialised (the copy writes all of it): an
+    // allocation or memset on the legacy stream would not be ordered before a copy on this
+    // non-blocking stream (CUDA Runtime API, "Stream synchronization behavior").
+    device_batch<T> out{device_buffer<T>(n, dev, w.stream, uninitialized), rows};
     if (n != 0) {
       check(cudaMemcpyAsync(out.data.data(), w.staging.data(), n * sizeof(T), cudaMemcpyHostToDevice, w.stream),
             "cudaMemcpyAsync", dev);

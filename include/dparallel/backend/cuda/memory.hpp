@@ -10,29 +10,68 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <type_traits>
 #include <utility>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace cuda {
 
+/// Makes the default memory pool of GPU `ordinal` keep what it frees (release threshold: no limit),
+/// once per process. With the default threshold of 0 a pool returns its memory to the OS at every
+/// synchronisation, so every later cudaMallocAsync pays for a fresh mapping (CUDA Programming
+/// Guide, "Stream Ordered Memory Allocator", physical page caching behavior).
+inline void keep_pool_memory(int ordinal) {
+  static std::mutex m;
+  static std::set<int> done;
+  std::lock_guard lock(m);
+  if (!done.insert(ordinal).second) return;
+  cudaMemPool_t pool = nullptr;
+  if (cudaDeviceGetDefaultMemPool(&pool, ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();  // no pool support: cudaMallocAsync reports it where it is used
+    return;
+  }
+  std::uint64_t keep = UINT64_MAX;
+  (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  (void)cudaGetLastError();
+}
+
+/// Tag for device_buffer's constructor that leaves the memory uninitialised (the next write
+/// covers all of it, so a memset would be wasted work).
+struct uninitialized_t {
+  explicit uninitialized_t() = default;
+};
+/// The tag value: `device_buffer<float>(n, d, s, cuda::uninitialized)`.
+inline constexpr uninitialized_t uninitialized{};
+
 /// `size()` elements of T in the memory of one GPU, allocated and freed in the order of a stream
-/// (cudaMallocAsync / cudaFreeAsync), zero-initialised. Move-only.
+/// (cudaMallocAsync / cudaFreeAsync), zero-initialised unless made with `uninitialized`.
+/// Move-only.
 template <class T>
 class device_buffer {
   static_assert(std::is_trivially_copyable_v<T>, "cuda::device_buffer<T>: T must be trivially copyable");
 
  public:
   device_buffer() = default;
-  /// Allocates on `d`'s GPU in the order of `s` (nullptr: the legacy default stream).
-  device_buffer(std::size_t size, device d, cudaStream_t s = nullptr) : size_(size), dev_(d), stream_(s) {
+  /// Allocates and zeroes on `d`'s GPU in the order of `s` (nullptr: the legacy default stream).
+  /// Work on another stream may use the buffer only once it is ordered after `s`.
+  device_buffer(std::size_t size, device d, cudaStream_t s = nullptr) : device_buffer(size, d, s, uninitialized) {
+    if (size_ != 0) {
+      device_guard g(d.index);
+      check(cudaMemsetAsync(data_, 0, size_ * sizeof(T), s), "cudaMemsetAsync", d);
+    }
+  }
+  /// Allocates on `d`'s GPU in the order of `s`, leaving the memory uninitialised.
+  device_buffer(std::size_t size, device d, cudaStream_t s, uninitialized_t) : size_(size), dev_(d), stream_(s) {
     if (size_ == 0) return;
     device_guard g(d.index);
+    keep_pool_memory(d.index);
     void* p = nullptr;
     check(cudaMallocAsync(&p, size_ * sizeof(T), s), "cudaMallocAsync", d);
     data_ = static_cast<T*>(p);
-    check(cudaMemsetAsync(data_, 0, size_ * sizeof(T), s), "cudaMemsetAsync", d);
   }
   /// Takes over `o`'s memory; `o` becomes empty.
   device_buffer(device_buffer&& o) noexcept
@@ -66,11 +105,12 @@ class device_buffer {
  private:
   void release() noexcept {
     if (data_ == nullptr) return;
-    int previous = 0;
-    (void)cudaGetDevice(&previous);
-    (void)cudaSetDevice(dev_.index);
-    (void)cudaFreeAsync(data_, stream_);
-    (void)cudaSetDevice(previous);
+    try {
+      device_guard g(dev_.index);
+      (void)cudaFreeAsync(data_, stream_);
+    } catch (...) {  // the driver is gone (process exit): nothing left to free
+    }
+    (void)cudaGetLastError();
     data_ = nullptr;
   }
   T* data_ = nullptr;
@@ -110,22 +150,52 @@ class pinned_buffer {
 };
 
 /// `bytes` zeroed bytes on `d`'s GPU, shared ownership (freed with cudaFree when the last owner
-/// goes): the storage of DDP's buckets.
-inline std::shared_ptr<std::byte> allocate(device d, std::size_t bytes) {
+/// goes): the storage of DDP's buckets and accumulation buffers. The memory is zeroed on
+/// `consumer`, the stream that will use it; when that is the legacy stream (nullptr: the caller
+/// runs outside any cuda::stream work), the zeroing is waited for here, because work on a
+/// non-blocking stream is not ordered after the legacy stream (CUDA Runtime API, "Stream
+/// synchronization behavior": cudaStreamNonBlocking streams do not synchronise with stream 0).
+/// cudaMalloc, unlike cudaMallocAsync, is not stream-ordered: the memory is usable at once.
+inline std::shared_ptr<std::byte> allocate(device d, std::size_t bytes, cudaStream_t consumer) {
   device_guard g(d.index);
   void* p = nullptr;
   if (bytes != 0) {
     check(cudaMalloc(&p, bytes), "cudaMalloc", d);
-    cudaError_t const e = cudaMemset(p, 0, bytes);
+    cudaError_t e = cudaMemsetAsync(p, 0, bytes, consumer);
+    if (e == cudaSuccess && consumer == nullptr) e = cudaStreamSynchronize(nullptr);
     if (e != cudaSuccess) {
       (void)cudaFree(p);
-      check(e, "cudaMemset", d);
+      check(e, "cudaMemsetAsync", d);
     }
   }
   return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) {
     if (q != nullptr) (void)cudaFree(q);
   });
 }
+
+/// Grow-only scratch memory on one GPU, owned by one stream and used only by work on it: a
+/// persistent staging buffer (shards, peers' gradient slices). reserve() reallocates in the
+/// stream's order (cudaFreeAsync then cudaMallocAsync on the same stream), so earlier work on
+/// that stream still reading the old memory finishes first.
+class staging_buffer {
+ public:
+  staging_buffer() = default;
+  /// The scratch of stream `s` on `d`'s GPU.
+  staging_buffer(device d, cudaStream_t s) : dev_(d), stream_(s) {}
+  /// At least `bytes` bytes (contents not kept across growth); call from work on the stream.
+  std::byte* reserve(std::size_t bytes) {
+    if (bytes > buf_.size()) {
+      buf_ = device_buffer<std::byte>();  // freed in the stream's order first
+      buf_ = device_buffer<std::byte>(bytes, dev_, stream_, uninitialized);
+    }
+    return buf_.data();
+  }
+
+ private:
+  device dev_{device_kind::cuda, 0, 0};
+  cudaStream_t stream_ = nullptr;
+  device_buffer<std::byte> buf_;
+};
 
 }  // namespace cuda
 DPARALLEL_NAMESPACE_END

@@ -6,26 +6,80 @@
 // with the stream's GPU current and cuda::current_stream() set, so whatever fn launches goes to
 // this stream in order; the returned event is recorded on the GPU right after fn's launches.
 // wait(e) orders this stream's later GPU work after e with cudaStreamWaitEvent: no host
-// synchronisation between devices inside a step. Host-side exceptions and launch errors become the
+// synchronisation between devices inside a step (the wait is folded into the next piece of work,
+// so it costs no hand-off of its own). Host-side exceptions and launch errors become the
 // stream's sticky error (device_error naming the logical device) until synchronize() reports them;
 // GPU-side faults are reported by synchronize() and by event::wait().
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/device.hpp>
 #include <dparallel/backend/cuda/error.hpp>
+#include <dparallel/backend/cuda/memory.hpp>
 #include <dparallel/backend/host/stream.hpp>
 #include <dparallel/core/device.hpp>
 
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <utility>
+#include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace cuda {
 
 class stream;
+
+namespace detail {
+/// The completion events of one stream, recycled: an event is created once and recorded again
+/// after its last holder let it go. Re-recording is safe even if an earlier cudaStreamWaitEvent
+/// used it: that wait captured the event's state when it was called (CUDA Runtime API,
+/// cudaStreamWaitEvent and cudaEventRecord: "uses the most recent call to cudaEventRecord").
+class event_pool {
+ public:
+  /// Events of `d`'s GPU made with `flags` (cudaEventDisableTiming, or 0 for timing events).
+  event_pool(device d, unsigned flags) : dev_(d), flags_(flags) {}
+  event_pool(event_pool const&) = delete;
+  event_pool& operator=(event_pool const&) = delete;
+  ~event_pool() {
+    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
+  }
+  /// An event of the stream's GPU; called on its launch thread, with that GPU current.
+  cudaEvent_t take() {
+    {
+      std::lock_guard lock(m_);
+      if (!free_.empty()) {
+        cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, flags_), "cudaEventCreateWithFlags", dev_);
+    return e;
+  }
+  void give_back(cudaEvent_t e) noexcept {
+    std::lock_guard lock(m_);
+    try {
+      free_.push_back(e);
+    } catch (...) {
+      (void)cudaEventDestroy(e);
+    }
+  }
+
+ private:
+  device dev_;
+  unsigned flags_ = cudaEventDisableTiming;
+  std::mutex m_;
+  std::vector<cudaEvent_t> free_;
+};
+}  // namespace detail
 
 /// Completion of enqueued work: its launches on the host, then its GPU work.
 /// A default-constructed event is complete.
@@ -58,17 +112,33 @@ class event {
     }
     return nullptr;
   }
+  /// For work enqueued with stream::enqueue_timed, once it completed: the GPU time from the start
+  /// of its work to its end (timing events around it on its stream), which is what the work cost
+  /// the GPU, not how long its launches took on the host. Empty for other events, or before the
+  /// work completed.
+  [[nodiscard]] std::optional<std::chrono::nanoseconds> gpu_elapsed() const {
+    if (!gpu_ || gpu_->start == nullptr || gpu_->ev == nullptr || !launched_.ready()) return std::nullopt;
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, gpu_->start, gpu_->ev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    return std::chrono::nanoseconds(static_cast<std::int64_t>(static_cast<double>(ms) * 1e6));
+  }
 
  private:
   friend class stream;
   struct gpu_event {
-    cudaEvent_t ev = nullptr;  // written by the launch thread before `launched` completes
+    cudaEvent_t ev = nullptr;     // written by the launch thread before `launched` completes
+    cudaEvent_t start = nullptr;  // timed work only: recorded before it
     device dev;
+    std::shared_ptr<detail::event_pool> pool;  // ev's (timing events for timed work)
     gpu_event() = default;
     gpu_event(gpu_event const&) = delete;
     gpu_event& operator=(gpu_event const&) = delete;
     ~gpu_event() {
-      if (ev != nullptr) (void)cudaEventDestroy(ev);
+      if (ev != nullptr) pool->give_back(ev);
+      if (start != nullptr) pool->give_back(start);
     }
   };
   host::event launched_;
@@ -79,10 +149,15 @@ class event {
 class stream {
  public:
   /// A stream on logical device `d` (its GPU must exist).
-  explicit stream(device d) : dev_(d) {
+  explicit stream(device d)
+      : dev_(d),
+        events_(std::make_shared<detail::event_pool>(d, cudaEventDisableTiming)),
+        timing_(std::make_shared<detail::event_pool>(d, 0u)) {
     check_device(d);
     device_guard g(d.index);
+    keep_pool_memory(d.index);
     check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", d);
+    for (auto& b : staging_) b = staging_buffer(d, s_);
     worker_ = std::make_unique<host::stream>(d.index);
   }
   /// A stream on lane 0 of GPU `ordinal`.
@@ -93,6 +168,9 @@ class stream {
   ~stream() {
     worker_.reset();
     device_guard g(dev_.index);
+    (void)cudaStreamSynchronize(s_);
+    for (auto& b : staging_) b = staging_buffer();  // freed in this stream's order, before it goes
+    pinned_ = pinned_buffer<std::byte>();
     (void)cudaStreamSynchronize(s_);
     (void)cudaStreamDestroy(s_);
   }
@@ -107,27 +185,21 @@ class stream {
   /// Runs fn() on the launch thread after all earlier work was launched, with this stream current.
   template <class F>
   event enqueue(F&& fn) {
-    event done;
-    done.gpu_ = std::make_shared<event::gpu_event>();
-    done.gpu_->dev = dev_;
-    done.launched_ = worker_->enqueue([this, gpu = done.gpu_, fn = std::forward<F>(fn)]() mutable {
-      scope current(*this);
-      fn();
-      check(cudaGetLastError(), "a kernel launch", dev_);
-      check(cudaEventCreateWithFlags(&gpu->ev, cudaEventDisableTiming), "cudaEventCreateWithFlags", dev_);
-      check(cudaEventRecord(gpu->ev, s_), "cudaEventRecord", dev_);
-    });
-    return done;
+    return enqueue_work(std::forward<F>(fn), false);
+  }
+  /// enqueue, with timing events recorded around fn's GPU work: the returned event's
+  /// gpu_elapsed() says how long the GPU spent on it (auto_balance's measure of a device's speed).
+  template <class F>
+  event enqueue_timed(F&& fn) {
+    return enqueue_work(std::forward<F>(fn), true);
   }
 
   /// Later work on this stream waits for `e` on the GPU; a launch error carried by `e` becomes this
-  /// stream's error.
+  /// stream's error. Costs nothing until the next enqueue, whose work makes the wait first.
   void wait(event const& e) {
     if (!e.gpu_ && e.launched_.ready()) return;
-    enqueue([e, this] {
-      e.launched_.wait();
-      if (e.gpu_ && e.gpu_->ev != nullptr) check(cudaStreamWaitEvent(s_, e.gpu_->ev, 0), "cudaStreamWaitEvent", dev_);
-    });
+    std::lock_guard lock(m_);
+    waits_.push_back(e);
   }
 
   /// An event that completes when all work enqueued so far has finished on the GPU.
@@ -135,15 +207,81 @@ class stream {
     return enqueue([] {});
   }
 
-  /// Blocks until every launch and all GPU work of this stream finished; rethrows (and clears) the
-  /// sticky error, or the GPU's fault.
+  /// Blocks until every launch and all GPU work of this stream finished, then rethrows (and
+  /// clears) the sticky error, or the GPU's fault. The GPU work is waited for even when a launch
+  /// failed: memory the caller frees after an error must not be in use by a running kernel.
   void synchronize() {
-    worker_->synchronize();
+    {
+      std::unique_lock lock(m_);
+      if (!waits_.empty()) {  // waits not yet folded into work: make them, so their errors surface here
+        lock.unlock();
+        (void)record();
+      }
+    }
+    std::exception_ptr failed;
+    try {
+      worker_->synchronize();
+    } catch (...) {
+      failed = std::current_exception();
+    }
     device_guard g(dev_.index);
-    check(cudaStreamSynchronize(s_), "cudaStreamSynchronize", dev_);
+    cudaError_t const e = cudaStreamSynchronize(s_);
+    if (failed) {
+      (void)cudaGetLastError();
+      std::rethrow_exception(failed);
+    }
+    check(e, "cudaStreamSynchronize", dev_);
+  }
+
+  /// Persistent scratch on this stream's GPU (`slot` 0: shards, 1: the reduction's staging), at
+  /// least `bytes`; for work running on this stream only (its contents are the stream's until its
+  /// later work overwrites them).
+  std::byte* staging(std::size_t slot, std::size_t bytes) { return staging_.at(slot).reserve(bytes); }
+  /// Persistent page-locked host scratch of at least `bytes`, for work on this stream: host batches
+  /// pass through it on their way to the GPU. Growing waits for the stream first (earlier copies
+  /// may still read the old buffer; cudaFreeHost would also wait for the device).
+  std::byte* pinned_staging(std::size_t bytes) {
+    if (bytes > pinned_.size()) {
+      check(cudaStreamSynchronize(s_), "cudaStreamSynchronize", dev_);
+      pinned_ = pinned_buffer<std::byte>();
+      pinned_ = pinned_buffer<std::byte>(bytes);
+    }
+    return pinned_.data();
   }
 
  private:
+  template <class F>
+  event enqueue_work(F&& fn, bool timed) {
+    event done;
+    done.gpu_ = std::make_shared<event::gpu_event>();
+    done.gpu_->dev = dev_;
+    done.gpu_->pool = timed ? timing_ : events_;
+    std::lock_guard lock(m_);  // the waits folded into this work are the ones asked for before it
+    done.launched_ = worker_->enqueue(
+        [this, gpu = done.gpu_, timed, waits = std::exchange(waits_, {}), fn = std::forward<F>(fn)]() mutable {
+          scope current(*this);
+          for (event const& e : waits) {
+            e.launched_.wait();  // its cudaEvent_t exists once its work was launched
+            // The event may belong to another GPU (CUDA Runtime API, cudaStreamWaitEvent: "event
+            // may be from a different device than stream").
+            if (e.gpu_ && e.gpu_->ev != nullptr)
+              check(cudaStreamWaitEvent(s_, e.gpu_->ev, 0), "cudaStreamWaitEvent", dev_);
+          }
+          if (timed) {
+            gpu->start = timing_->take();
+            check(cudaEventRecord(gpu->start, s_), "cudaEventRecord", dev_);
+          }
+          fn();
+          check(cudaGetLastError(), "a kernel launch", dev_);
+          // fn may have left another GPU current; the event must be made and recorded on this
+          // stream's GPU (CUDA Runtime API, cudaEventRecord: event and stream on one device).
+          check(cudaSetDevice(dev_.index), "cudaSetDevice", dev_);
+          gpu->ev = gpu->pool->take();
+          check(cudaEventRecord(gpu->ev, s_), "cudaEventRecord", dev_);
+        });
+    return done;
+  }
+
   // Sets the calling thread's current device and stream for the work it runs.
   struct scope {
     detail::current_state saved;
@@ -158,6 +296,11 @@ class stream {
 
   device dev_;
   cudaStream_t s_ = nullptr;
+  std::shared_ptr<detail::event_pool> events_, timing_;
+  std::mutex m_;
+  std::vector<event> waits_;  // asked for since the last enqueue
+  std::array<staging_buffer, 2> staging_;
+  pinned_buffer<std::byte> pinned_;
   std::unique_ptr<host::stream> worker_;
 };
 
