@@ -15,6 +15,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
+#include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
@@ -152,11 +153,8 @@ struct mpi_running {
   std::vector<int> c1, d1, c2, d2;  // counts and displacements of the step in flight
 };
 
-struct mpi_failure {
-  int rank = 0;
-  bool timeout = false;
-  std::string reason;
-};
+/// Why an MPI group failed (the rank at fault, timeout or not, the reason).
+using mpi_failure = comm_failure;
 
 }  // namespace detail
 DPARALLEL_NAMESPACE_END

@@ -226,10 +226,7 @@ class mpi_comm_state final : public mpi_control_channel {
 
  private:
   [[nodiscard]] std::exception_ptr error_for(mpi_task const& t) const {  // lock held or (P)
-    std::string const msg = "dparallel: rank " + std::to_string(rank_) + ": " + describe(t.call) + " (collective #" +
-                            std::to_string(t.seq) + ") failed: " + failure_->reason;
-    if (failure_->timeout) return std::make_exception_ptr(timeout_error(failure_->rank, msg));
-    return std::make_exception_ptr(comm_error(failure_->rank, msg));
+    return collective_error(rank_, describe(t.call), t.seq, *failure_);
   }
   [[nodiscard]] std::exception_ptr stopped_error(mpi_task const& t) const {  // lock held
     if (failure_) return error_for(t);
