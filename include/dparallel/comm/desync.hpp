@@ -18,6 +18,8 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/issue_order.hpp>
+#include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
@@ -216,14 +218,18 @@ class desync_detector {
     tensor_ref a;
     tensor_ref b;
     dparallel::detail::work_promise done;
+    dparallel::detail::issue_order::token order;  // the caller's position in its device work
   };
 
   work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
     dparallel::detail::work_promise p;
     work w = p.get_work();
+    // Captured here, on the caller's thread: the worker's forwarded collective must be ordered
+    // after the caller's GPU work, not after the worker's (which has none).
+    auto order = dparallel::detail::issue_order::capture();
     {
       std::lock_guard lock(m_);
-      queue_.push_back(task{next_seq_++, c, a, b, std::move(p)});
+      queue_.push_back(task{next_seq_++, c, a, b, std::move(p), std::move(order)});
       ++pending_;
     }
     cv_.notify_all();
@@ -231,14 +237,14 @@ class desync_detector {
   }
 
   [[nodiscard]] std::exception_ptr failed_error(task const& t) const {
-    return std::make_exception_ptr(comm_error(
-        failure_->first, "dparallel: rank " + std::to_string(rank_) + ": " + dparallel::detail::describe(t.call) +
-                             " (collective #" + std::to_string(t.seq) + ") failed: " + failure_->second));
+    return dparallel::detail::collective_error(rank_, dparallel::detail::describe(t.call), t.seq,
+                                               {failure_->first, false, failure_->second});
   }
 
   // Runs one collective: the fingerprint exchange, then (when every rank agrees) the collective.
   std::exception_ptr execute(task const& t) {
     if (failure_) return failed_error(t);
+    dparallel::detail::issue_order::scope const issued_by_caller(t.order);
     auto const mine = dparallel::detail::desync_fingerprint::encode(t.seq, t.call);
     std::vector<std::int64_t> m(mine.begin(), mine.end());
     std::vector<std::int64_t> all(m.size() * static_cast<std::size_t>(size_));

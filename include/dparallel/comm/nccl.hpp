@@ -9,20 +9,33 @@
 //   unique id travels from rank 0 through `bootstrap` (an MPI group) when given, else through the
 //   TCP rendezvous at MASTER_ADDR:MASTER_PORT (ncclCommInitRank).
 //
-// Every collective runs on the communicator's own stream, after the work already launched on the
-// caller's current dparallel CUDA stream (cuda::current_stream(), so DDP's buckets are reduced
-// after their gradients were copied in); the returned work completes when the GPU finished it. A
-// progress thread polls each collective's event and ncclCommGetAsyncError: an NCCL error, a
-// collective whose peers do not come within the timeout, and abort() make the communicator call
-// ncclCommAbort and fail every pending and later work with a comm_error (timeout_error) that
-// names this rank and the cause, instead of hanging. Tensors in host memory (the wrappers' small
-// control messages) are staged through pinned and device memory.
+// Guarantees of a communicator (see also docs/gpu.md):
+// - Ordering: every collective runs on the communicator's own stream, after the GPU work the
+//   issuing thread launched before the call: its dparallel CUDA stream inside stream work
+//   (cuda::current_stream(), e.g. DDP's bucket copies); the caller's stream captured by a
+//   forwarding wrapper (the desync detector, comm/detail/issue_order.hpp); else the legacy
+//   default stream (the DDP constructor's broadcast from the user's thread). The returned work
+//   completes when the GPU finished the collective.
+// - Staging: a side in host memory (`in`, `out` or both) goes through a pinned + device block of
+//   the communicator sized for that collective (comm/detail/staging_plan.hpp; in place stays in
+//   place); a side in device memory must be on this rank's GPU and is used as it is. The blocks
+//   are allocated once and reused; host inputs are copied before the call returns, host outputs
+//   when the work completes.
+// - Failure: a poll thread (comm/detail/progress.hpp) watches each collective's event and
+//   ncclCommGetAsyncError without holding the communicator's lock. An NCCL or GPU error, a
+//   collective not done within the timeout, and abort() call ncclCommAbort first, then release
+//   the staging and fail every pending and later work with a comm_error (timeout_error) naming
+//   this rank and the cause, instead of hanging.
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/device.hpp>
 #include <dparallel/backend/cuda/error.hpp>
 #include <dparallel/backend/cuda/memory.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/issue_order.hpp>
+#include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/detail/staging_plan.hpp>
+#include <dparallel/comm/nccl/detail/resources.hpp>
 #include <dparallel/comm/nccl_bootstrap.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/work.hpp>
@@ -45,6 +58,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -104,27 +118,28 @@ class communicator {
  public:
   /// Takes ownership of `comm`, rank `rank` of `size` on GPU `gpu`.
   communicator(ncclComm_t comm, int rank, int size, device gpu, std::chrono::milliseconds timeout)
-      : comm_(comm), rank_(rank), size_(size), dev_(gpu), timeout_(timeout) {
+      : comm_(comm), rank_(rank), size_(size), dev_(gpu), timeout_ms_(timeout.count()), events_(gpu), staging_(gpu) {
     cuda::device_guard g(dev_.index);
     cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", dev_);
-    poller_ = std::thread([this] { poll(); });
+    void* zero = nullptr;
+    cuda::check(cudaMalloc(&zero, sizeof(std::int32_t)), "cudaMalloc (barrier)", dev_);
+    barrier_word_ = static_cast<std::int32_t*>(zero);
+    cuda::check(cudaMemset(barrier_word_, 0, sizeof(std::int32_t)), "cudaMemset (barrier)", dev_);
+    poller_ = std::make_unique<dparallel::detail::collective_poller<driver>>(rank_, driver_);
   }
   communicator(communicator const&) = delete;
   communicator& operator=(communicator const&) = delete;
-  /// Waits for the pending collectives (each fails at its timeout at the latest), then destroys
-  /// the communicator (or has aborted it).
+  /// Waits for the pending collectives (each fails at its timeout at the latest, aborting the
+  /// communicator), then destroys the communicator, or has aborted it.
   ~communicator() {
-    drain();
-    {
-      std::lock_guard lock(m_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    poller_.join();
-    finish_abort();
+    poller_->stop();
     cuda::device_guard g(dev_.index);
-    if (!aborted_) (void)ncclCommDestroy(comm_);
+    // After ncclCommAbort the stream's NCCL kernels were ended, so this returns; only then are
+    // the staging blocks and the barrier word freed (by the members' destructors and below).
+    if (!poller_->aborted()) (void)ncclCommDestroy(comm_);
+    (void)cudaStreamSynchronize(stream_);
     (void)cudaStreamDestroy(stream_);
+    (void)cudaFree(barrier_word_);
   }
 
   /// This rank.
@@ -136,17 +151,17 @@ class communicator {
   /// The underlying NCCL communicator.
   [[nodiscard]] ncclComm_t native() const noexcept { return comm_; }
   /// How long a collective waits before the communicator is aborted with a timeout_error.
-  [[nodiscard]] std::chrono::milliseconds timeout() const {
-    std::lock_guard lock(m_);
-    return timeout_;
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
   }
   /// Applies to the collectives issued after the call.
   void set_timeout(std::chrono::milliseconds t) {
-    std::lock_guard lock(m_);
-    timeout_ = t;
+    dparallel::detail::require(t.count() > 0, "nccl::communicator::set_timeout: expected a positive timeout, found " +
+                                                  std::to_string(t.count()) + " ms");
+    timeout_ms_.store(t.count(), std::memory_order_relaxed);
   }
   /// Number of collectives this rank has finished (successfully or not).
-  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return completed_.load(); }
+  [[nodiscard]] std::uint64_t completed_ops() const { return poller_->completed(); }
 
   /// See communicator (ncclAllReduce on this rank's stream).
   work all_reduce(tensor_ref t, reduce_op op) {
@@ -187,40 +202,69 @@ class communicator {
       return ncclAllGather(src, dst, in.size(), to_nccl(in.dtype()), c, s);
     });
   }
-  /// See communicator.
+  /// An all_reduce of the communicator's own zeroed device word: nothing is staged, nothing on
+  /// the caller's stack is written later, and the word stays 0 (a sum of zeros).
   work barrier() {
-    std::int32_t one = 1;
-    tensor_ref const t(&one, 1, dtype::i32);
-    return all_reduce(t, reduce_op::sum);  // staged: `one` is copied before the call returns
+    tensor_ref const t(barrier_word_, 1, dtype::i32, dev_);
+    return launch("barrier", t, t, [&](void const* in, void* out, ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(in, out, 1, ncclInt32, ncclSum, c, s);
+    });
   }
 
   /// Aborts the communicator (ncclCommAbort): every pending and later work of this rank fails with
   /// a comm_error naming this rank and `why`; the peers' collectives fail at their timeout.
-  void abort(std::string why) {
-    {
-      std::lock_guard lock(m_);
-      fail_locked(std::make_exception_ptr(
-          comm_error(rank_, "dparallel: NCCL rank " + std::to_string(rank_) + " aborted: " + why)));
-    }
-    finish_abort();
-  }
+  /// Returns once the pending works failed.
+  void abort(std::string why) { poller_->abort(std::move(why)); }
 
   /// Blocks until every collective issued so far has finished (successfully or not).
-  void drain() {
-    std::unique_lock lock(m_);
-    idle_.wait(lock, [&] { return pending_.empty(); });
-  }
+  void drain() { poller_->drain(); }
 
  private:
-  struct pending_op {
-    std::string what;
+  // One launched collective, as the poller holds it.
+  struct in_flight {
     cudaEvent_t done = nullptr;
-    detail::work_promise promise;
-    std::chrono::steady_clock::time_point deadline;
-    std::shared_ptr<void> keep;  // staging memory, freed after the collective
-    void* host_out = nullptr;    // host destination of a staged result
-    void const* pinned_out = nullptr;
+    detail::staging_pool::block* staging = nullptr;
+    void* host_out = nullptr;  // a staged result's host destination
+    std::size_t out_offset = 0;
     std::size_t out_bytes = 0;
+  };
+
+  // The engine as collective_poller sees it (comm/detail/progress.hpp).
+  struct driver {
+    using handle = in_flight;
+    communicator& c;
+    dparallel::detail::poll_result poll(in_flight& h) {
+      cudaError_t const q = cudaEventQuery(h.done);
+      if (q == cudaSuccess) return dparallel::detail::poll_result::done();
+      (void)cudaGetLastError();
+      if (q == cudaErrorNotReady) return dparallel::detail::poll_result::pending();
+      return dparallel::detail::poll_result::failed(std::string("the GPU reported ") + cudaGetErrorName(q) + ": " +
+                                                    cudaGetErrorString(q));
+    }
+    // NCCL reports errors of collectives already launched (a peer's network failure, a
+    // misconfiguration found while running) only through ncclCommGetAsyncError; after an error
+    // nothing can be assumed about the enqueued operations and the communicator must be
+    // aborted (NCCL API, ncclCommGetAsyncError).
+    std::string async_error() {
+      ncclResult_t r = ncclSuccess;
+      if (ncclCommGetAsyncError(c.comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
+      std::string msg = std::string("NCCL reported ") + ncclGetErrorString(r);
+      if (char const* last = ncclGetLastError(c.comm_); last != nullptr && *last != '\0') msg += std::string(" (") + last + ")";
+      return msg;
+    }
+    void finish(in_flight& h) {
+      if (h.host_out != nullptr) std::memcpy(h.host_out, h.staging->pinned + h.out_offset, h.out_bytes);
+    }
+    void release(in_flight& h) noexcept {
+      c.events_.give(h.done);
+      c.staging_.give(h.staging);
+    }
+    // ncclCommAbort ends the communicator's kernels and frees its resources; it must come before
+    // any memory a stuck collective uses is reused or freed (the poller releases after it).
+    void abort_native() noexcept {
+      (void)cudaSetDevice(c.dev_.index);
+      (void)ncclCommAbort(c.comm_);
+    }
   };
 
   static ncclRedOp_t nccl_op(reduce_op op) { return op == reduce_op::avg ? ncclAvg : ncclSum; }
@@ -236,183 +280,101 @@ class communicator {
                                    " in the large tensor, found " + std::to_string(big.size()) + " of " +
                                    std::string(name_of(big.dtype())));
   }
+  // A side of a collective: host memory is staged; device memory must be this rank's GPU's.
+  dparallel::detail::staging_side side(tensor_ref t, char const* name, char const* what) const {
+    if (t.size() == 0) return {t.data(), 0, false};
+    int const where = cuda::pointer_ordinal(t.data());
+    if (where >= 0)
+      dparallel::detail::require(where == dev_.index, [&] {
+        return std::string("NCCL ") + what + " on rank " + std::to_string(rank_) + ": expected `" + name +
+               "` on GPU " + std::to_string(dev_.index) + " (this rank's) or in host memory, found memory on GPU " +
+               std::to_string(where);
+      });
+    return {t.data(), t.size_bytes(), where < 0};
+  }
 
-  // Launches one collective on stream_ after the caller's current stream, with host tensors staged.
+  // Orders stream_ after the issuing thread's GPU work (CUDA: "cudaStreamWaitEvent makes all future
+  // work submitted to the stream wait for all work captured in the event"; the event may be from
+  // another device). The issuer is, in this order: the caller of a forwarding wrapper (its token,
+  // see comm/detail/issue_order.hpp); the dparallel stream whose work runs on this thread; else
+  // the legacy default stream, whose recorded event waits for all earlier work of every blocking
+  // stream of the device (CUDA: the legacy default stream synchronises with all blocking
+  // streams, per-thread default streams included; dparallel's own streams are non-blocking and
+  // are covered by the first two cases).
+  void order_after_issuer() {
+    if (auto const& token = dparallel::detail::issue_order::current()) {
+      auto const* e = static_cast<detail::issued_event const*>(token.get());
+      cuda::check(cudaStreamWaitEvent(stream_, e->ev, 0), "cudaStreamWaitEvent", dev_);
+      return;
+    }
+    auto const& cur = cuda::detail::current();
+    if (cur.set && cur.dev.index != dev_.index) {  // pooled events are dev_'s; record on the issuer's GPU
+      auto const t = detail::capture_cuda_issue();
+      cuda::check(cudaStreamWaitEvent(stream_, static_cast<detail::issued_event const*>(t.get())->ev, 0),
+                  "cudaStreamWaitEvent", dev_);
+      return;
+    }
+    cudaStream_t const issuer = cur.set ? cur.stream : cudaStreamLegacy;
+    cudaEvent_t const after = events_.take();
+    cudaError_t e = cudaEventRecord(after, issuer);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, after, 0);
+    events_.give(after);  // re-recording a pooled event later does not disturb this wait
+    cuda::check(e, "cudaEventRecord / cudaStreamWaitEvent (ordering after the issuing stream)", dev_);
+  }
+
+  // Launches one collective on stream_ after the issuer's GPU work, staging exactly its host sides.
   template <class Call>
   work launch(char const* what, tensor_ref in, tensor_ref out, Call&& call) {
-    std::lock_guard issue(issue_m_);
-    pending_op op;
-    op.what = what;
-    work const result = op.promise.get_work();
-    {
-      std::lock_guard lock(m_);
-      if (failure_) {
-        op.promise.complete(failure_);
-        return result;
-      }
-    }
-    try {
+    dparallel::detail::staging_plan const plan =
+        dparallel::detail::plan_staging(side(in, "in", what), side(out, "out", what), what);
+    std::string desc = std::string(what) + " of " + std::to_string(out.size()) + " x " + std::string(name_of(out.dtype()));
+    return poller_->launch(std::move(desc), timeout(), [&] {
       cuda::device_guard g(dev_.index);
-      if (cuda::detail::current().set && cuda::detail::current().dev.index == dev_.index) {
-        cudaEvent_t after = nullptr;
-        cuda::check(cudaEventCreateWithFlags(&after, cudaEventDisableTiming), "cudaEventCreateWithFlags", dev_);
-        cuda::check(cudaEventRecord(after, cuda::current_stream()), "cudaEventRecord", dev_);
-        cuda::check(cudaStreamWaitEvent(stream_, after, 0), "cudaStreamWaitEvent", dev_);
-        (void)cudaEventDestroy(after);
-      }
-      bool const in_host = cuda::pointer_ordinal(in.data()) < 0 && in.size() != 0;
-      bool const out_host = cuda::pointer_ordinal(out.data()) < 0 && out.size() != 0;
+      order_after_issuer();
+      in_flight h;
       void const* src = in.data();
       void* dst = out.data();
-      if (in_host || out_host) {
-        auto staging = std::make_shared<staged>(in.size_bytes(), out.size_bytes(), dev_, stream_);
-        if (in.size() != 0) {
-          std::memcpy(staging->pinned_in.data(), in.data(), in.size_bytes());
-          cuda::check(cudaMemcpyAsync(staging->dev_in.data(), staging->pinned_in.data(), in.size_bytes(),
-                                      cudaMemcpyHostToDevice, stream_),
-                      "cudaMemcpyAsync", dev_);
+      if (plan.any()) {
+        h.staging = staging_.lease(plan.bytes);
+        if (plan.stage_in) {
+          std::memcpy(h.staging->pinned + plan.in_offset, in.data(), in.size_bytes());
+          cudaError_t const e = cudaMemcpyAsync(h.staging->dev + plan.in_offset, h.staging->pinned + plan.in_offset,
+                                                in.size_bytes(), cudaMemcpyHostToDevice, stream_);
+          if (e != cudaSuccess) staging_.give(h.staging);  // nothing was queued that reads it
+          cuda::check(e, "cudaMemcpyAsync (staging in)", dev_);
+          src = h.staging->dev + plan.in_offset;
         }
-        src = staging->dev_in.data();
-        dst = in.data() == out.data() ? staging->dev_in.data() : staging->dev_out.data();
-        op.keep = staging;
-        op.host_out = out.data();
-        op.pinned_out = staging->pinned_out.data();
-        op.out_bytes = out.size_bytes();
-        check(call(src, dst, comm_, stream_), what, rank_, comm_);
-        if (out.size() != 0)
-          cuda::check(cudaMemcpyAsync(staging->pinned_out.data(), dst, out.size_bytes(), cudaMemcpyDeviceToHost, stream_),
-                      "cudaMemcpyAsync", dev_);
-      } else {
-        cuda::check_pointer(in, "NCCL: the input");
-        cuda::check_pointer(out, "NCCL: the output");
-        dparallel::detail::require(in.device().index == dev_.index,
-                                   std::string("NCCL ") + what + ": expected a tensor on GPU " +
-                                       std::to_string(dev_.index) + " (this rank's), found one on " +
-                                       to_string(in.device()));
-        check(call(src, dst, comm_, stream_), what, rank_, comm_);
+        if (plan.stage_out) {
+          dst = h.staging->dev + plan.out_offset;
+          h.host_out = out.data();
+          h.out_offset = plan.out_offset;
+          h.out_bytes = out.size_bytes();
+        }
       }
-      cuda::check(cudaEventCreateWithFlags(&op.done, cudaEventDisableTiming), "cudaEventCreateWithFlags", dev_);
-      cuda::check(cudaEventRecord(op.done, stream_), "cudaEventRecord", dev_);
-    } catch (...) {
-      if (op.done != nullptr) (void)cudaEventDestroy(op.done);
-      op.done = nullptr;
-      op.promise.complete(std::current_exception());
-      return result;
-    }
-    {
-      std::lock_guard lock(m_);
-      op.deadline = std::chrono::steady_clock::now() + timeout_;
-      if (failure_) {  // aborted while launching
-        (void)cudaEventDestroy(op.done);
-        op.promise.complete(failure_);
-        return result;
-      }
-      pending_.push_back(std::move(op));
-    }
-    cv_.notify_all();
-    return result;
-  }
-
-  struct staged {
-    cuda::pinned_buffer<std::byte> pinned_in, pinned_out;
-    cuda::device_buffer<std::byte> dev_in, dev_out;
-    staged(std::size_t in_bytes, std::size_t out_bytes, device d, cudaStream_t s)
-        : pinned_in(in_bytes), pinned_out(out_bytes), dev_in(in_bytes, d, s), dev_out(out_bytes, d, s) {}
-  };
-
-  // Fails every pending collective and all later ones with `e` (m_ held); the NCCL communicator
-  // is aborted by finish_abort(), which the caller runs after releasing m_.
-  void fail_locked(std::exception_ptr e) {
-    if (!failure_) failure_ = std::move(e);
-    if (!aborted_) {
-      aborted_ = true;
-      abort_pending_ = true;
-    }
-    for (auto& op : pending_) {
-      op.promise.complete(failure_);
-      if (op.done != nullptr) (void)cudaEventDestroy(op.done);
-      ++completed_;
-    }
-    pending_.clear();
-    idle_.notify_all();
-  }
-
-  // ncclCommAbort once, never while a launch is inside an NCCL call on this communicator
-  // (issue_m_ serialises them; the lock order is issue_m_, then m_).
-  void finish_abort() {
-    std::lock_guard issue(issue_m_);
-    bool run = false;
-    {
-      std::lock_guard lock(m_);
-      run = std::exchange(abort_pending_, false);
-    }
-    if (run) (void)ncclCommAbort(comm_);
-  }
-
-  void poll() {
-    (void)cudaSetDevice(dev_.index);
-    std::unique_lock lock(m_);
-    for (;;) {
-      cv_.wait_for(lock, std::chrono::microseconds(200), [&] { return stopping_ || !pending_.empty(); });
-      if (pending_.empty()) {
-        if (stopping_) return;
-        continue;
-      }
-      ncclResult_t async = ncclSuccess;
-      if (!aborted_ && ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
-          async != ncclInProgress) {
-        fail_locked(std::make_exception_ptr(comm_error(rank_, std::string("dparallel: NCCL on rank ") +
-                                                                  std::to_string(rank_) + ": " + ncclGetErrorString(async) +
-                                                                  " while running " + pending_.front().what)));
-        lock.unlock();
-        finish_abort();
-        lock.lock();
-        continue;
-      }
-      auto& op = pending_.front();
-      cudaError_t const q = cudaEventQuery(op.done);
-      if (q == cudaSuccess) {
-        if (op.host_out != nullptr && op.out_bytes != 0) std::memcpy(op.host_out, op.pinned_out, op.out_bytes);
-        (void)cudaEventDestroy(op.done);
-        op.promise.complete();
-        pending_.pop_front();
-        ++completed_;
-        if (pending_.empty()) idle_.notify_all();
-      } else if (q != cudaErrorNotReady) {
-        (void)cudaGetLastError();
-        fail_locked(std::make_exception_ptr(comm_error(rank_, std::string("dparallel: NCCL on rank ") +
-                                                                  std::to_string(rank_) + ": " + op.what +
-                                                                  " failed on the GPU: " + cudaGetErrorString(q))));
-      } else if (std::chrono::steady_clock::now() > op.deadline) {
-        fail_locked(std::make_exception_ptr(timeout_error(
-            rank_, std::string("dparallel: NCCL on rank ") + std::to_string(rank_) + ": " + op.what +
-                       " did not complete within " + std::to_string(timeout_.count()) +
-                       " ms: a peer did not join (dead, hung, or issuing other collectives)")));
-      }
-      if (abort_pending_) {
-        lock.unlock();
-        finish_abort();
-        lock.lock();
-      }
-    }
+      // From here on the staging block may be read by queued GPU work: on an error it is kept
+      // leased (freed with the communicator), never handed to another collective.
+      check(call(src, dst, comm_, stream_), what, rank_, comm_);
+      if (plan.stage_out)
+        cuda::check(cudaMemcpyAsync(h.staging->pinned + plan.out_offset, dst, out.size_bytes(), cudaMemcpyDeviceToHost,
+                                    stream_),
+                    "cudaMemcpyAsync (staging out)", dev_);
+      h.done = events_.take();
+      cuda::check(cudaEventRecord(h.done, stream_), "cudaEventRecord", dev_);
+      return h;
+    });
   }
 
   ncclComm_t comm_ = nullptr;
   int rank_ = 0;
   int size_ = 1;
   device dev_;
+  std::atomic<std::int64_t> timeout_ms_;
   cudaStream_t stream_ = nullptr;
-  std::chrono::milliseconds timeout_;
-  mutable std::mutex m_;
-  std::mutex issue_m_;
-  std::condition_variable cv_, idle_;
-  std::deque<pending_op> pending_;
-  std::exception_ptr failure_;
-  bool aborted_ = false;
-  bool abort_pending_ = false;  // ncclCommAbort still to run (finish_abort)
-  bool stopping_ = false;
-  std::atomic<std::uint64_t> completed_{0};
-  std::thread poller_;  // last: starts after the other members exist
+  std::int32_t* barrier_word_ = nullptr;
+  detail::event_pool events_;
+  detail::staging_pool staging_;
+  driver driver_{*this};
+  std::unique_ptr<dparallel::detail::collective_poller<driver>> poller_;  // last: its thread uses the others
 };
 static_assert(dparallel::communicator<communicator>);
 
@@ -453,15 +415,38 @@ inline distributed_group init_process_group(init_options const& opts = {}, proce
         if (n == 0 && !gpu)
           throw invalid_argument("dparallel: nccl::init_process_group on rank " + std::to_string(info.rank) +
                                  ": no GPU (" + cuda::no_device_reason() + ")");
+        // NCCL supports one rank per GPU: two ranks on one GPU fail in ncclCommInitRank ("Duplicate
+        // GPU") or hang (NCCL user guide, "Creating a communicator"). Say so before NCCL does.
+        std::string const fix = "NCCL needs one GPU per rank: start at most " + std::to_string(n) +
+                                " rank(s) per node, or give each rank its own GPU (the `gpu` argument, or "
+                                "CUDA_VISIBLE_DEVICES per rank)";
+        if (!gpu && n > 0 && info.local_world_size > n)
+          throw invalid_argument("dparallel: nccl::init_process_group on rank " + std::to_string(info.rank) + ": " +
+                                 std::to_string(info.local_world_size) + " ranks on this node (local world size, from " +
+                                 info.local_source + ") share " + std::to_string(n) + " visible GPU(s), so local rank " +
+                                 std::to_string(info.local_rank) + " would share GPU " + std::to_string(info.local_rank % n) +
+                                 " with another rank; " + fix);
         device const d = gpu.value_or(device{device_kind::cuda, info.local_rank % (n == 0 ? 1 : n), 0});
         cuda::check_device(d);
         ncclUniqueId id{};
         if (info.rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId", 0);
         auto const bytes = share_root_bytes(info, std::as_bytes(std::span(&id, 1)), sizeof id, bootstrap, o.timeout);
         std::memcpy(&id, bytes.data(), sizeof id);
-        cuda::device_guard g(d.index);
+        // The rank's GPU becomes this thread's current device once, for good (no guard restoring
+        // another device): NCCL and the user's kernels of this rank run there, and no context is
+        // created on a GPU this rank does not use (CUDA: cudaSetDevice sets the calling host
+        // thread's device; contexts are made on first use).
+        cuda::check(cudaSetDevice(d.index), "cudaSetDevice", d);
         ncclComm_t comm = nullptr;
-        check(ncclCommInitRank(&comm, info.world_size, id, info.rank), "ncclCommInitRank", info.rank);
+        ncclResult_t const r = ncclCommInitRank(&comm, info.world_size, id, info.rank);
+        if (r != ncclSuccess && r != ncclInProgress) {
+          char const* last = ncclGetLastError(nullptr);
+          if (last != nullptr && std::string_view(last).find("Duplicate GPU") != std::string_view::npos)
+            throw comm_error(info.rank, "dparallel: nccl::init_process_group on rank " + std::to_string(info.rank) +
+                                            ": another rank of this job uses GPU " + std::to_string(d.index) +
+                                            " too (NCCL: " + last + "); " + fix);
+          check(r, "ncclCommInitRank", info.rank);
+        }
         return process_group(std::make_shared<communicator>(comm, info.rank, info.world_size, d, o.timeout));
       },
       opts, env);

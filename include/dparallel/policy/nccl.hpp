@@ -4,9 +4,10 @@
 // use one NCCL communicator per device (ncclCommInitAll, made at construction):
 //  - replicate: before every step, the master's parameters and buffers are broadcast to every
 //    replica in one ncclGroupStart/End (ncclBroadcast from device 0, each on its device's stream);
-//  - reduce: each replica's gradient is scaled by its shard's weight on its own stream (a replica
-//    without a shard contributes zeros), then one group of ncclReduce (sum) lands
-//    sum_i w_i * g_i in the master's gradients.
+//  - reduce: one group of ncclReduce with a pre-multiplying sum (ncclRedOpCreatePreMulSum: each
+//    replica's gradient times its shard's weight, inside NCCL's kernel; a replica without a shard
+//    contributes zeros) lands sum_i w_i * g_i in the master's gradients.
+// Both policies share one clique (one communicator per device); a failed group aborts it.
 // When two logical devices share a GPU (NCCL refuses two ranks on one GPU), or there is a single
 // device, they fall back to the copy/kernel path of policy::replicate_each_step and
 // policy::reduce_to_master. NCCL's summation order is fixed for a given set of GPUs, so results
@@ -23,9 +24,13 @@
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replicate.hpp>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <nccl.h>
 
 #include <cstddef>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -35,10 +40,13 @@ DPARALLEL_NAMESPACE_BEGIN
 namespace nccl {
 namespace dp_detail {
 
-/// One communicator per device of a DataParallel wrapper, device i being rank i.
+/// One communicator per device of a DataParallel wrapper, device i being rank i; shared by the
+/// wrapper's replicate and reduce policies (one clique, not two). A failed group launch, or an
+/// error NCCL reports asynchronously, aborts every communicator (ncclCommAbort): later steps
+/// fail at once with the first failure's reason instead of launching on a broken clique.
 class device_comms {
  public:
-  explicit device_comms(std::vector<device> const& devs) {
+  explicit device_comms(std::vector<device> const& devs) : devs_(devs) {
     std::vector<int> ordinals;
     for (auto const& d : devs) ordinals.push_back(d.index);
     comms_.assign(devs.size(), nullptr);
@@ -47,14 +55,79 @@ class device_comms {
   device_comms(device_comms const&) = delete;
   device_comms& operator=(device_comms const&) = delete;
   ~device_comms() {
+    if (!failure_.empty()) return;  // aborted: ncclCommAbort freed them
     for (auto c : comms_)
       if (c != nullptr) (void)ncclCommDestroy(c);
   }
   [[nodiscard]] ncclComm_t operator[](std::size_t i) const { return comms_[i]; }
+  [[nodiscard]] std::size_t size() const noexcept { return comms_.size(); }
+
+  /// Runs `launch()` (NCCL calls on these communicators) between ncclGroupStart and
+  /// ncclGroupEnd. Everything that can be checked is checked by the caller before (so no group
+  /// is left half-filled by an argument error); if a call or ncclGroupEnd still fails, the
+  /// clique is aborted (NCCL: after an error nothing can be assumed about the enqueued
+  /// operations; ncclCommAbort is the way out) and the error names `what`.
+  template <class F>
+  void run_group(char const* what, F&& launch) {
+    std::lock_guard lock(m_);
+    healthy_or_throw(what);
+    try {
+      check(ncclGroupStart(), "ncclGroupStart", 0);
+      try {
+        launch();
+      } catch (...) {
+        (void)ncclGroupEnd();
+        throw;
+      }
+      check(ncclGroupEnd(), what, 0);
+    } catch (std::exception const& e) {
+      abort_all(std::string(what) + ": " + e.what());
+      throw;
+    }
+  }
 
  private:
+  // The watchdog's check, before each group: a sticky failure, or an asynchronous NCCL error.
+  void healthy_or_throw(char const* what) {
+    for (std::size_t i = 0; failure_.empty() && i < comms_.size(); ++i) {
+      ncclResult_t r = ncclSuccess;
+      if (ncclCommGetAsyncError(comms_[i], &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress)
+        abort_all("NCCL reported " + std::string(ncclGetErrorString(r)) + " on device " + std::to_string(i) + " (" +
+                  to_string(devs_[i]) + ")");
+    }
+    if (!failure_.empty())
+      throw comm_error(0, "dparallel: nccl::dp: cannot launch " + std::string(what) +
+                              ": the NCCL communicators of this DataParallel wrapper were aborted after an earlier "
+                              "failure (" + failure_ + "); construct a new wrapper");
+  }
+  void abort_all(std::string why) {
+    if (!failure_.empty()) return;
+    failure_ = std::move(why);
+    for (std::size_t i = 0; i < comms_.size(); ++i) {
+      cuda::device_guard g(devs_[i].index);
+      (void)ncclCommAbort(comms_[i]);
+    }
+  }
+
+  std::vector<device> devs_;
   std::vector<ncclComm_t> comms_;
+  std::mutex m_;
+  std::string failure_;  // non-empty once aborted
 };
+
+/// The clique of the DataParallel wrapper whose replica set is `set`: made by the first policy
+/// that asks, found by the second.
+inline std::shared_ptr<device_comms> clique_for(void const* set, std::vector<device> const& devs) {
+  static std::mutex m;
+  static std::map<void const*, std::weak_ptr<device_comms>> cliques;
+  std::lock_guard lock(m);
+  std::erase_if(cliques, [](auto const& kv) { return kv.second.expired(); });
+  auto& slot = cliques[set];
+  if (auto c = slot.lock()) return c;
+  auto c = std::make_shared<device_comms>(devs);
+  slot = c;
+  return c;
+}
 
 /// Whether every device is its own GPU (NCCL's requirement) and there are at least two.
 inline bool distinct_gpus(std::vector<device> const& devs) {
@@ -65,19 +138,40 @@ inline bool distinct_gpus(std::vector<device> const& devs) {
   return true;
 }
 
-/// Runs `launch()` (NCCL calls) between ncclGroupStart and ncclGroupEnd; the group is closed also
-/// when a call throws. A failed group is a comm_error naming `what`.
-template <class F>
-void in_group(char const* what, F&& launch) {
-  check(ncclGroupStart(), "ncclGroupStart", 0);
-  try {
-    launch();
-  } catch (...) {
-    (void)ncclGroupEnd();
-    throw;
+/// A sum that multiplies each rank's input by `w` first, inside NCCL's reduction kernel
+/// (ncclRedOpCreatePreMulSum; the scalar has the reduction's dtype and is read by the host before
+/// the call returns: ncclScalarHostImmediate). It replaces a separate scaling pass that rounded
+/// f16/bf16 gradients to their own type once more before the sum. Destroyed after the last NCCL
+/// call using it returned (NCCL: an operator may be destroyed as soon as the last NCCL function
+/// given it returns).
+class premul_sum {
+ public:
+  premul_sum(ncclComm_t comm, dtype t, double w) : comm_(comm) {
+    float const f = static_cast<float>(w);
+    __half const h = __float2half(f);
+    __nv_bfloat16 const b = __float2bfloat16(f);
+    void const* scalar = nullptr;
+    switch (t) {
+      case dtype::f64: scalar = &w; break;
+      case dtype::f32: scalar = &f; break;
+      case dtype::f16: scalar = &h; break;
+      case dtype::bf16: scalar = &b; break;
+      default:
+        throw invalid_argument("dparallel: nccl::dp: expected floating-point gradients (F32, F64, F16, BF16), found " +
+                               std::string(name_of(t)));
+    }
+    check(ncclRedOpCreatePreMulSum(&op_, const_cast<void*>(scalar), to_nccl(t), ncclScalarHostImmediate, comm_),
+          "ncclRedOpCreatePreMulSum", 0);
   }
-  check(ncclGroupEnd(), what, 0);
-}
+  premul_sum(premul_sum const&) = delete;
+  premul_sum& operator=(premul_sum const&) = delete;
+  ~premul_sum() { (void)ncclRedOpDestroy(op_, comm_); }
+  [[nodiscard]] ncclRedOp_t op() const noexcept { return op_; }
+
+ private:
+  ncclComm_t comm_;
+  ncclRedOp_t op_{};
+};
 
 template <class Set>
 constexpr void require_cuda() {
@@ -96,7 +190,7 @@ struct with_comms {
   template <class Set>
   void on_construct(Set& s) {
     require_cuda<Set>();
-    if (distinct_gpus(s.devices)) comms = std::make_shared<device_comms>(s.devices);
+    if (distinct_gpus(s.devices)) comms = clique_for(&s, s.devices);
     fallback.on_construct(s);
   }
 };
@@ -116,7 +210,19 @@ struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> 
     // One thread (stream 0's) launches the whole group, each call on its device's stream; the
     // other streams wait for the launch before they launch anything after it.
     auto const launched = s.streams[0]->enqueue([&s, c = comms] {
-      dp_detail::in_group("ncclGroupEnd (replicate)", [&] {
+      // Checked before ncclGroupStart: a bad tensor must not leave a half-launched group.
+      for (std::size_t i = 0; i < s.size(); ++i)
+        for (std::size_t k = 0; k < s.params[i].size() + s.bufs[i].size(); ++k) {
+          tensor_ref const dst = k < s.params[i].size() ? s.params[i][k] : s.bufs[i][k - s.params[i].size()];
+          tensor_ref const src = k < s.params[i].size() ? s.params[0][k] : s.bufs[0][k - s.params[i].size()];
+          (void)to_nccl(dst.dtype());
+          dparallel::detail::require(dst.size() == src.size() && dst.dtype() == src.dtype(), [&] {
+            return "nccl::dp replicate: tensor " + std::to_string(k) + " of replica " + std::to_string(i) + " has " +
+                   std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + ", the master's " +
+                   std::to_string(src.size()) + " x " + std::string(name_of(src.dtype()));
+          });
+        }
+      c->run_group("ncclGroupEnd (replicate)", [&] {
         for (std::size_t i = 0; i < s.size(); ++i) {
           auto const& params = s.params[i];
           auto const& bufs = s.bufs[i];
@@ -154,24 +260,29 @@ struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
       fallback.finish(s);
       return;
     }
-    // Each replica weights its own gradient (zeros when it had no shard).
-    std::vector<typename Set::event_type> weighted;
+    // A replica without a shard contributes zeros (its gradient holds a stale value, and 0 * inf
+    // would be NaN). The shard weights are applied inside NCCL's sum (premul_sum).
+    std::vector<typename Set::event_type> zeroed;
     for (std::size_t i = 0; i < s.size(); ++i) {
-      weighted.push_back(s.streams[i]->enqueue([&s, i] {
+      if (s.active(i)) continue;
+      zeroed.push_back(s.streams[i]->enqueue([&s, i] {
         auto& st = *s.streams[i];
-        for (auto const& g : s.grads[i]) {
-          if (s.active(i)) cuda::scale(st.native(), st.logical_device(), g, s.weight(i));
-          else cuda::zero(st.native(), st.logical_device(), g);
-        }
+        for (auto const& g : s.grads[i]) cuda::zero(st.native(), st.logical_device(), g);
       }));
     }
-    for (std::size_t i = 1; i < s.size(); ++i) s.streams[0]->wait(weighted[i]);
+    for (auto const& e : zeroed) s.streams[0]->wait(e);
     auto const launched = s.streams[0]->enqueue([&s, c = comms] {
-      dp_detail::in_group("ncclGroupEnd (reduce)", [&] {
+      // Operators made, and every argument checked, before ncclGroupStart: no partial group.
+      std::vector<std::vector<std::unique_ptr<dp_detail::premul_sum>>> ops(s.size());
+      for (std::size_t i = 0; i < s.size(); ++i)
+        for (auto const& g : s.grads[i])
+          ops[i].push_back(std::make_unique<dp_detail::premul_sum>((*c)[i], g.dtype(), s.active(i) ? s.weight(i) : 0.0));
+      c->run_group("ncclGroupEnd (reduce)", [&] {
         for (std::size_t i = 0; i < s.size(); ++i)
-          for (auto const& g : s.grads[i]) {
+          for (std::size_t k = 0; k < s.grads[i].size(); ++k) {
+            auto const& g = s.grads[i][k];
             if (g.size() == 0) continue;
-            check(ncclReduce(g.data(), g.data(), g.size(), to_nccl(g.dtype()), ncclSum, 0, (*c)[i],
+            check(ncclReduce(g.data(), g.data(), g.size(), to_nccl(g.dtype()), ops[i][k]->op(), 0, (*c)[i],
                              s.streams[i]->native()),
                   "ncclReduce", static_cast<int>(i));
           }

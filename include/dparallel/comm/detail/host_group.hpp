@@ -30,6 +30,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
+#include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/spin.hpp>
@@ -121,14 +122,6 @@ inline std::string describe_ranks(std::vector<int> const& ranks) {
   return s;
 }
 
-/// now + timeout, saturated so that a huge timeout (milliseconds::max() for "forever") cannot
-/// overflow the clock into the past.
-inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  auto const now = std::chrono::steady_clock::now();
-  auto const room = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::time_point::max() - now);
-  return timeout >= room ? std::chrono::steady_clock::time_point::max() : now + timeout;
-}
-
 /// The shared state of one host process group of `size()` thread ranks.
 class host_group {
  public:
@@ -207,12 +200,6 @@ class host_group {
   }
 
  private:
-  struct failure {
-    int rank;
-    bool timeout;
-    std::string reason;
-  };
-
   // The one-meeting path of a small collective (see the top of this file); `lock` is held and
   // rank r has published its record.
   std::exception_ptr execute_small(std::unique_lock<std::mutex>& lock, int r, std::uint64_t seq,
@@ -304,7 +291,7 @@ class host_group {
   }
 
   void set_failure(int rank, bool timeout, std::string reason) {
-    if (!failure_) failure_ = failure{rank, timeout, std::move(reason)};
+    if (!failure_) failure_ = comm_failure{rank, timeout, std::move(reason)};
     notify();
   }
 
@@ -355,10 +342,7 @@ class host_group {
   }
 
   [[nodiscard]] std::exception_ptr error_for(int r, std::uint64_t seq, comm_call const& call) const {
-    std::string msg = "dparallel: rank " + std::to_string(r) + ": " + describe(call) + " (collective #" +
-                      std::to_string(seq) + ") failed: " + failure_->reason;
-    if (failure_->timeout) return std::make_exception_ptr(timeout_error(failure_->rank, msg));
-    return std::make_exception_ptr(comm_error(failure_->rank, msg));
+    return collective_error(r, describe(call), seq, *failure_);
   }
 
   /// Step 3 for rank r: its share of the collective, over every rank's buffers (the published
@@ -438,7 +422,7 @@ class host_group {
   std::vector<char> busy_;               // rank is inside step 3
   std::vector<comm_call> calls_;
   std::vector<std::array<tensor_ref, 2>> bufs_;
-  std::optional<failure> failure_;
+  std::optional<comm_failure> failure_;
   std::atomic<std::uint64_t> epoch_{0};  // counts notify() calls (for spinning)
 };
 

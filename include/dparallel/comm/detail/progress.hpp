@@ -1,0 +1,317 @@
+#pragma once
+// Engine-neutral progress of asynchronous collectives: how a failure is named (comm_failure,
+// collective_error), how a timeout becomes a deadline (deadline_after), and collective_poller, the
+// queue + poll thread of an engine whose collectives run on a device and complete on their own
+// (NCCL: an event per collective). Every communicator names failures the same way: the host
+// group, the MPI engine and the NCCL communicator all build their errors with collective_error.
+//
+// collective_poller's locking (the reason it exists). Its mutex guards only the queue, the
+// failure and the counters: the poll thread never holds it while it polls a collective, sleeps
+// between polls, calls the engine's abort, or releases a collective's resources. So a launch,
+// an abort(), pending() and drain() never wait for a collective still running on the device,
+// and the collectives of consecutive DDP buckets are queued while earlier ones run. (The NCCL
+// poller this replaces waited with cv.wait_for(lock, t, pred) while a collective was pending:
+// with pred true that call returns at once without ever releasing the mutex, so the thread spun
+// holding it and every launch waited for all pending collectives.)
+//
+// Failure. The first failure wins and is sticky: an abort(why), a collective that did not
+// complete within its timeout, a collective the engine reports failed, or an engine-wide error.
+// The poll thread alone handles it, in this order: (1) it fails the group, taking every queued
+// collective out of the queue; (2) it calls the engine's abort_native() once, under the launch
+// mutex, so never while a launch is inside the engine (an NCCL communicator must not be used
+// from two threads at once); (3) only then it releases each collective's resources (staging
+// memory, events) and completes its work with the error. Releasing before the abort could free
+// memory a stuck kernel still uses, or block in a synchronising free behind it (issue 13, item 10).
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/work.hpp>
+#include <dparallel/core/error.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace detail {
+
+/// Why a process group failed: the rank at fault, whether it was a timeout, and the reason.
+struct comm_failure {
+  int rank = 0;
+  bool timeout = false;
+  std::string reason;
+};
+
+/// The error rank `me` reports for its collective #`seq` (`what`, e.g. "all_reduce of 4 x F32")
+/// once its group failed with `f`: a timeout_error or comm_error naming the rank at fault.
+inline std::exception_ptr collective_error(int me, std::string_view what, std::uint64_t seq, comm_failure const& f) {
+  std::string msg = "dparallel: rank " + std::to_string(me) + ": " + std::string(what) + " (collective #" +
+                    std::to_string(seq) + ") failed: " + f.reason;
+  if (f.timeout) return std::make_exception_ptr(timeout_error(f.rank, msg));
+  return std::make_exception_ptr(comm_error(f.rank, msg));
+}
+
+/// now + timeout, saturated so that a huge timeout (milliseconds::max() for "forever") cannot
+/// overflow the clock into the past.
+inline std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  auto const now = std::chrono::steady_clock::now();
+  auto const room = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::time_point::max() - now);
+  return timeout >= room ? std::chrono::steady_clock::time_point::max() : now + timeout;
+}
+
+/// What polling a launched collective found.
+struct poll_result {
+  enum class state : std::uint8_t { pending, done, failed };
+  state st = state::pending;
+  std::string why;  // failed: the engine's reason
+  static poll_result pending() { return {}; }
+  static poll_result done() { return {state::done, {}}; }
+  static poll_result failed(std::string why) { return {state::failed, std::move(why)}; }
+};
+
+/// The queue and poll thread of one rank's communicator (see the top of this file). `Driver` is
+/// the engine; every hook runs without the poller's mutex:
+///   typename Driver::handle                          what a launch made (event, staging)
+///   poll_result poll(handle&)                        nonblocking
+///   std::string async_error()                        an engine-wide error, empty when none
+///   void finish(handle&)                             succeeded: e.g. copy staged results out
+///   void release(handle&) noexcept                   always, last; after abort_native() on failure
+///   void abort_native() noexcept                     once, after the first failure
+/// The driver must outlive the poller; stop() (or the destructor) joins the thread.
+template <class Driver>
+class collective_poller {
+ public:
+  using handle = typename Driver::handle;
+  using clock = std::chrono::steady_clock;
+
+  collective_poller(int rank, Driver& driver) : rank_(rank), driver_(driver), thread_([this] { loop(); }) {}
+  collective_poller(collective_poller const&) = delete;
+  collective_poller& operator=(collective_poller const&) = delete;
+  /// Waits for the pending collectives (each fails at its timeout at the latest), then joins.
+  ~collective_poller() { stop(); }
+
+  /// Launches collective `what` with `make()` (which returns its handle; called under the launch
+  /// mutex, never concurrently with abort_native()). Returns its work at once: failed when the
+  /// group already failed (make() is not called) or when make() throws (that exception).
+  template <class Make>
+  work launch(std::string what, std::chrono::milliseconds timeout, Make&& make) {
+    work_promise p;
+    work w = p.get_work();
+    std::unique_lock launching(launch_m_);
+    std::uint64_t seq = 0;
+    {
+      std::unique_lock lock(m_);
+      seq = next_seq_++;
+      if (failure_) {
+        std::exception_ptr const e = collective_error(rank_, what, seq, *failure_);
+        lock.unlock();
+        retire_unqueued(p, e);
+        return w;
+      }
+    }
+    std::optional<handle> h;
+    try {
+      h.emplace(make());
+    } catch (...) {
+      retire_unqueued(p, std::current_exception());
+      return w;
+    }
+    launching.unlock();
+    std::unique_lock lock(m_);
+    if (failure_) {
+      // The group failed while this collective was launched: abort first (the poll thread does it
+      // and needs the launch mutex, released above), then release.
+      state_cv_.wait(lock, [&] { return native_aborted_; });
+      std::exception_ptr const e = collective_error(rank_, what, seq, *failure_);
+      lock.unlock();
+      driver_.release(*h);
+      retire_unqueued(p, e);
+      return w;
+    }
+    queue_.push_back(op{seq, std::move(what), timeout, deadline_after(timeout), std::move(*h), std::move(p)});
+    ++pending_;
+    lock.unlock();
+    cv_.notify_all();
+    return w;
+  }
+
+  /// Fails every pending and later collective with a comm_error naming this rank and `why`
+  /// (unless the group failed already); returns once the engine was aborted and every pending
+  /// work completed.
+  void abort(std::string why) {
+    std::unique_lock lock(m_);
+    if (!failure_ && !abort_request_) abort_request_ = std::move(why);
+    cv_.notify_all();
+    state_cv_.wait(lock, [&] { return settled_; });
+  }
+
+  /// Blocks until every collective launched so far has finished, successfully or not.
+  void drain() {
+    std::unique_lock lock(m_);
+    state_cv_.wait(lock, [&] { return pending_ == 0; });
+  }
+  [[nodiscard]] std::size_t pending() const {
+    std::lock_guard lock(m_);
+    return pending_;
+  }
+  [[nodiscard]] bool failed() const {
+    std::lock_guard lock(m_);
+    return failure_.has_value();
+  }
+  /// Whether abort_native() has run (then the engine must not be destroyed normally).
+  [[nodiscard]] bool aborted() const {
+    std::lock_guard lock(m_);
+    return native_aborted_;
+  }
+  /// Collectives finished, successfully or not (counted before their work completes).
+  [[nodiscard]] std::uint64_t completed() const {
+    std::lock_guard lock(m_);
+    return completed_;
+  }
+
+  /// Drains, then joins the poll thread. Idempotent.
+  void stop() {
+    drain();
+    {
+      std::lock_guard lock(m_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  struct op {
+    std::uint64_t seq = 0;
+    std::string what;
+    std::chrono::milliseconds timeout{};
+    clock::time_point deadline;
+    handle h;
+    work_promise done;
+  };
+
+  void retire_unqueued(work_promise& p, std::exception_ptr e) {
+    {
+      std::lock_guard lock(m_);
+      ++completed_;
+    }
+    p.complete(std::move(e));
+  }
+
+  // Not pending any more before its work completes: a caller whose wait() returned may destroy
+  // the communicator at once and must not find the collective still pending.
+  void retire(op& o, std::exception_ptr e) {
+    {
+      std::lock_guard lock(m_);
+      ++completed_;
+      --pending_;
+    }
+    state_cv_.notify_all();
+    o.done.complete(std::move(e));
+  }
+
+  // (poll thread, m_ held) Fails the group with `f`: abort, then release and fail every collective.
+  void fail(std::unique_lock<std::mutex>& lock, comm_failure f) {
+    failure_ = std::move(f);
+    abort_request_.reset();
+    std::deque<op> dead;
+    dead.swap(queue_);
+    lock.unlock();
+    {
+      std::lock_guard launching(launch_m_);
+      driver_.abort_native();
+    }
+    lock.lock();
+    native_aborted_ = true;
+    lock.unlock();
+    state_cv_.notify_all();
+    for (auto& o : dead) {
+      driver_.release(o.h);
+      retire(o, collective_error(rank_, o.what, o.seq, *failure_));
+    }
+    lock.lock();
+    settled_ = true;
+    state_cv_.notify_all();
+  }
+
+  void loop() {
+    std::unique_lock lock(m_);
+    int idle = 0;
+    for (;;) {
+      if (abort_request_) {
+        std::string const why = *abort_request_;
+        fail(lock, {rank_, false, "rank " + std::to_string(rank_) + " aborted the process group: " + why});
+        continue;
+      }
+      if (queue_.empty()) {
+        if (stopping_) return;
+        // Nothing pending: sleep until a launch, an abort or stop (no polling, no spinning).
+        cv_.wait(lock, [&] { return stopping_ || abort_request_ || !queue_.empty(); });
+        continue;
+      }
+      // Only this thread removes collectives, so `front` stays valid while the mutex is released
+      // (deque::push_back does not invalidate references to the elements).
+      op& front = queue_.front();
+      lock.unlock();
+      std::string const async = driver_.async_error();
+      poll_result const r = async.empty() ? driver_.poll(front.h) : poll_result::failed(async);
+      bool const late = r.st == poll_result::state::pending && clock::now() > front.deadline;
+      if (r.st == poll_result::state::done) driver_.finish(front.h);
+      lock.lock();
+      if (r.st == poll_result::state::done) {
+        op o = std::move(queue_.front());
+        queue_.pop_front();
+        lock.unlock();
+        driver_.release(o.h);
+        retire(o, nullptr);
+        lock.lock();
+        idle = 0;
+      } else if (r.st == poll_result::state::failed) {
+        fail(lock, {rank_, false,
+                    (async.empty() ? "" : "an engine error while waiting: ") + r.why + " (rank " +
+                        std::to_string(rank_) + ", " + front.what + ", collective #" + std::to_string(front.seq) + ")"});
+      } else if (late) {
+        fail(lock, {rank_, true,
+                    front.what + " (collective #" + std::to_string(front.seq) + ") did not complete within " +
+                        std::to_string(front.timeout.count()) + " ms on rank " + std::to_string(rank_) +
+                        ": a peer did not join (dead, hung, or issuing other collectives); if it is only slow, "
+                        "raise the timeout (process_group::set_timeout, init_options::timeout)"});
+      } else if (!abort_request_) {
+        // Still running: back off without the mutex, so launches and aborts go through.
+        lock.unlock();
+        ++idle;
+        if (idle < 64) std::this_thread::yield();
+        else std::this_thread::sleep_for(std::chrono::microseconds(idle < 512 ? 20 : 100));
+        lock.lock();
+      }
+    }
+  }
+
+  int rank_;
+  Driver& driver_;
+  std::mutex launch_m_;  // a launch inside the engine, or abort_native(): never both
+  mutable std::mutex m_;  // guards the members below
+  std::condition_variable cv_;        // wakes the poll thread
+  std::condition_variable state_cv_;  // pending_ and native_aborted_ changed
+  std::deque<op> queue_;
+  std::size_t pending_ = 0;
+  std::uint64_t next_seq_ = 1;
+  std::uint64_t completed_ = 0;
+  std::optional<comm_failure> failure_;
+  std::optional<std::string> abort_request_;
+  bool native_aborted_ = false;
+  bool settled_ = false;  // the failure's collectives all completed
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after the other members exist
+};
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,160 @@
+#pragma once
+// The MPI engine's shared vocabulary (see <dparallel/comm/mpi.hpp> for the design): the options,
+// MPI datatypes and error texts, the rank-order integer reduction, and one collective as the
+// progress thread runs it (mpi_task queued, mpi_running in flight).
+
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1  // the C API only: no deprecated C++ bindings
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/host_kernels.hpp>
+#include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/work.hpp>
+#include <dparallel/core/dtype.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+namespace mpi {
+
+/// How F32/F64 reductions are computed (see the top of this file).
+enum class reduction : std::uint8_t {
+  rank_order,  ///< each element summed in rank order 0..n-1: bitwise the host communicator's result
+  native,      ///< MPI's own reduction (MPI_SUM): MPI's order, within rounding of rank_order
+};
+
+/// Options of an MPI communicator; the timeout is separate (constructor argument, set_timeout).
+struct options {
+  reduction reduce = reduction::rank_order;
+  /// Accept device (CUDA) memory and hand it to MPI as is: only with a CUDA-aware MPI. Device
+  /// buffers take MPI's own reductions (sum only: avg needs a kernel dparallel does not run here).
+  bool cuda_aware = false;
+  /// Longest message of one MPI call, in elements; longer collectives are split (MPI counts are int).
+  std::size_t max_message_elements = std::size_t{1} << 28;
+  /// After a timeout, how long a rank waits for its peers to answer its status query.
+  std::chrono::milliseconds probe_window = std::chrono::seconds(2);
+  /// At exit, how long a rank whose group failed waits for its peers' EXIT messages before
+  /// ending the job with MPI_Abort.
+  std::chrono::milliseconds exit_grace = std::chrono::seconds(10);
+};
+
+}  // namespace mpi
+
+namespace detail {
+
+using mpi_clock = std::chrono::steady_clock;
+
+inline std::string mpi_error_text(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "MPI error code " + std::to_string(code);
+  return std::string(buf, static_cast<std::size_t>(len));
+}
+
+/// The MPI datatype of one element of `t` (F16/BF16 as 16-bit words: moved, never reduced).
+inline MPI_Datatype mpi_type_of(dtype t) {
+  switch (t) {
+    case dtype::f32: return MPI_FLOAT;
+    case dtype::f64: return MPI_DOUBLE;
+    case dtype::f16:
+    case dtype::bf16: return MPI_UINT16_T;
+    case dtype::i32: return MPI_INT32_T;
+    case dtype::i64: return MPI_INT64_T;
+    case dtype::u8: return MPI_UINT8_T;
+  }
+  return MPI_BYTE;
+}
+
+/// Sums `count` integers of dtype `t` over `srcs` in rank order, wrapping (two's complement).
+inline void reduce_integers(dtype t, std::span<void const* const> srcs, void* dst, std::size_t count) {
+  auto const run = [&](auto zero) {
+    using T = decltype(zero);
+    using U = std::make_unsigned_t<T>;
+    for (std::size_t i = 0; i < count; ++i) {
+      U acc = 0;
+      for (void const* s : srcs) acc = static_cast<U>(acc + static_cast<U>(static_cast<T const*>(s)[i]));
+      static_cast<T*>(dst)[i] = static_cast<T>(acc);
+    }
+  };
+  switch (t) {
+    case dtype::i32: return run(std::int32_t{});
+    case dtype::i64: return run(std::int64_t{});
+    case dtype::u8: return run(std::uint8_t{});
+    default: throw invalid_argument("dparallel: mpi: no integer reduction for " + std::string(name_of(t)));
+  }
+}
+
+/// One rank's slice of a rank-order reduction: F32/F64 with the host communicator's kernel
+/// (op applied), integers by wrapping sums.
+inline void reduce_in_rank_order(dtype t, std::span<void const* const> srcs, void* dst, std::size_t count,
+                                 reduce_op op, int n) {
+  if (host_reducible(t)) reduce_bytes(t, srcs, std::span<void* const>(&dst, 1), count, op, n);
+  else reduce_integers(t, srcs, dst, count);
+}
+
+inline std::string thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+    default: return "level " + std::to_string(level);
+  }
+}
+
+// --- one collective ---------------------------------------------------------------------------
+
+struct mpi_task {
+  std::uint64_t seq = 0;
+  comm_call call;
+  tensor_ref a;
+  tensor_ref b;
+  std::chrono::milliseconds timeout{};
+  work_promise done;
+};
+
+/// A collective being executed: MPI requests started one after the other. On failure the whole
+/// object (its request and staging memory) is kept as an orphan until MPI completes the request.
+struct mpi_running {
+  struct step {
+    std::function<int(mpi_running&, MPI_Request*)> start;
+    std::function<void(mpi_running&)> finish;
+  };
+  mpi_task task;
+  std::vector<step> steps;
+  std::size_t next = 0;
+  MPI_Request req = MPI_REQUEST_NULL;
+  bool in_flight = false;
+  mpi_clock::time_point started;
+  mpi_clock::time_point deadline;
+  std::unique_ptr<std::byte[]> staging;
+  std::size_t staging_bytes = 0;
+  std::vector<int> c1, d1, c2, d2;  // counts and displacements of the step in flight
+};
+
+/// Why an MPI group failed (the rank at fault, timeout or not, the reason).
+using mpi_failure = comm_failure;
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END

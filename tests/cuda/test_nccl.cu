@@ -1,0 +1,192 @@
+// The NCCL communicator on ONE GPU: a world-size-1 NCCL group (ncclCommInitAll over cuda:0)
+// exercises everything but the network: barriers, host staging of each side, the ordering after
+// the issuing thread's GPU work, a DDP step, abort. Without a GPU every test reports skipped
+// (gpu_main.cpp). The host-testable parts (the poll engine, the staging plan) are tested on the
+// host in tests/test_comm_progress.cpp.
+#include "cuda_linreg.cuh"
+
+#include <dparallel/backend/cuda/backend.hpp>
+#include <dparallel/comm/desync.hpp>
+#include <dparallel/comm/nccl.hpp>
+#include <dparallel/dparallel.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace dpl = dparallel;
+using gpu = dpl::cuda::backend;
+
+namespace {
+
+dpl::device const gpu0{dpl::device_kind::cuda, 0, 0};
+
+dpl::process_group one_rank_group() { return dpl::nccl::make_groups({gpu0}).at(0); }
+
+std::vector<float> iota_floats(std::size_t n, float start) {
+  std::vector<float> v(n);
+  std::iota(v.begin(), v.end(), start);
+  return v;
+}
+
+// A device copy of `host`, and a read-back of device memory.
+dpl::cuda::device_buffer<float> on_gpu(std::vector<float> const& host) {
+  dpl::cuda::device_buffer<float> d(host.size(), gpu0);
+  dpl::cuda::check(cudaMemcpy(d.data(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice), "test");
+  return d;
+}
+std::vector<float> from_gpu(float const* p, std::size_t n) {
+  std::vector<float> out(n);
+  dpl::cuda::check(cudaMemcpy(out.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), "test");
+  return out;
+}
+
+std::vector<double> to_host(dpl::cuda::device_buffer<double> const& b) {
+  std::vector<double> out(b.size());
+  dpl::cuda::check(cudaMemcpy(out.data(), b.data(), b.size() * sizeof(double), cudaMemcpyDeviceToHost), "test");
+  return out;
+}
+
+// Issues a barrier from a stack frame that is gone before the barrier completes (the old barrier
+// staged a local int and wrote the result into it later).
+dpl::work barrier_from_a_dead_frame(dpl::process_group const& g) {
+  volatile int guard[64] = {};
+  dpl::work w = g.barrier();
+  (void)guard[0];
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("NCCL world size 1: 1000 barriers waited one by one and 1000 in flight", "[nccl][one-gpu]") {
+  auto g = one_rank_group();
+  for (int i = 0; i < 1000; ++i) g.barrier().wait();
+  std::vector<dpl::work> ws;
+  for (int i = 0; i < 1000; ++i) ws.push_back(barrier_from_a_dead_frame(g));
+  for (auto& w : ws) w.wait();
+  CHECK(g.completed_ops() == 2000);
+}
+
+TEST_CASE("NCCL world size 1: host-staged all_reduce in place", "[nccl][one-gpu][staging]") {
+  auto g = one_rank_group();
+  auto const want = iota_floats(1000, 0.5f);
+  auto t = want;
+  g.all_reduce(dpl::view(t), dpl::reduce_op::sum).wait();
+  CHECK(t == want);
+  g.all_reduce(dpl::view(t), dpl::reduce_op::avg).wait();
+  CHECK(t == want);
+}
+
+TEST_CASE("NCCL world size 1: host-staged all_gather and reduce_scatter in place and out of place",
+          "[nccl][one-gpu][staging]") {
+  auto g = one_rank_group();
+  auto in = iota_floats(4097, 1.0f);
+  SECTION("all_gather out of place") {
+    std::vector<float> out(in.size(), -1.0f);
+    g.all_gather(dpl::view(out), dpl::view(in)).wait();
+    CHECK(out == in);
+  }
+  SECTION("all_gather in place (in is block 0 of out: the old code overflowed its staging here)") {
+    auto out = in;
+    g.all_gather(dpl::view(out), dpl::tensor_view<float>(out.data(), out.size())).wait();
+    CHECK(out == in);
+  }
+  SECTION("reduce_scatter out of place") {
+    std::vector<float> out(in.size(), -1.0f);
+    g.reduce_scatter(dpl::view(out), dpl::view(in), dpl::reduce_op::sum).wait();
+    CHECK(out == in);
+  }
+  SECTION("broadcast") {
+    auto t = in;
+    g.broadcast(dpl::view(t), 0).wait();
+    CHECK(t == in);
+  }
+}
+
+TEST_CASE("NCCL world size 1: device in with host out and host in with device out", "[nccl][one-gpu][staging]") {
+  auto g = one_rank_group();
+  auto in = iota_floats(333, 2.0f);
+  SECTION("device in, host out: only the output is staged") {
+    auto const d = on_gpu(in);
+    std::vector<float> out(in.size(), -1.0f);
+    g.all_gather(dpl::view(out), d.view()).wait();
+    CHECK(out == in);
+  }
+  SECTION("host in, device out: only the input is staged") {
+    dpl::cuda::device_buffer<float> d(in.size(), gpu0);
+    g.all_gather(d.view(), dpl::view(in)).wait();
+    CHECK(from_gpu(d.data(), d.size()) == in);
+  }
+}
+
+TEST_CASE("NCCL world size 1: a collective issued outside stream work runs after the caller's GPU work",
+          "[nccl][one-gpu][ordering]") {
+  // The caller fills a device buffer on the legacy default stream and issues at once (the DDP
+  // constructor's broadcast does this): the collective must see the filled values.
+  auto g = one_rank_group();
+  std::size_t const n = std::size_t{1} << 22;
+  dpl::cuda::device_buffer<float> d(n, gpu0);
+  std::vector<float> ones(n, 1.0f);
+  dpl::cuda::pinned_buffer<float> pinned(n);
+  std::copy(ones.begin(), ones.end(), pinned.data());
+  dpl::cuda::check(cudaMemcpyAsync(d.data(), pinned.data(), n * sizeof(float), cudaMemcpyHostToDevice, nullptr), "test");
+  std::vector<float> out(n, 0.0f);
+  g.all_gather(dpl::view(out), d.view()).wait();
+  CHECK(out == ones);
+}
+
+TEST_CASE("NCCL world size 1: a DDP step equals the one-device gradient (plain and through the desync detector)",
+          "[nccl][one-gpu][ddp]") {
+  auto const data = test::dataset<double>::make(64, 4, 11, true);
+  test::cuda_linreg<double> ref(4, 7);
+  ref.forward_backward(data.all());
+  dpl::cuda::check(cudaDeviceSynchronize(), "test");
+  std::vector<double> const want_w = to_host(ref.gw), want_b = to_host(ref.gb);
+  for (bool desync : {false, true}) {
+    INFO("desync detection " << desync);
+    auto g = one_rank_group();
+    if (desync) g = dpl::with_desync_detection(g);
+    test::cuda_linreg<double> m(4, 7, gpu0);
+    dpl::parallel<test::cuda_linreg<double>, dpl::ddp, gpu> ddp(m, g, {.local_device = gpu0});
+    ddp.step(data.all(), [](auto& model, test::samples<double> s) { return model.forward_backward(s); });
+    dpl::cuda::check(cudaDeviceSynchronize(), "test");
+    CHECK(to_host(m.gw) == want_w);
+    CHECK(to_host(m.gb) == want_b);
+  }
+}
+
+TEST_CASE("NCCL world size 1: abort with and without pending work", "[nccl][one-gpu][abort]") {
+  SECTION("with pending work: every work completes, failed naming rank 0 and the reason, or done") {
+    auto g = one_rank_group();
+    dpl::cuda::device_buffer<float> big(std::size_t{1} << 24, gpu0);
+    std::vector<dpl::work> ws;
+    for (int i = 0; i < 32; ++i) ws.push_back(g.all_reduce(big.view(), dpl::reduce_op::sum));
+    g.abort("test abort");
+    int failed = 0;
+    for (auto& w : ws) {
+      REQUIRE(w.ready());  // abort() returns once every pending work completed
+      try {
+        w.wait();
+      } catch (dpl::comm_error const& e) {
+        ++failed;
+        CHECK(e.rank() == 0);
+        CHECK_THAT(e.what(), Catch::Contains("rank 0 aborted the process group: test abort"));
+      }
+    }
+    INFO(failed << " of 32 collectives were pending at the abort");
+    CHECK_THROWS_WITH(g.barrier().wait(), Catch::Contains("test abort"));
+    CHECK(cudaDeviceSynchronize() == cudaSuccess);  // the abort left the GPU usable
+  }
+  SECTION("without pending work") {
+    auto g = one_rank_group();
+    g.barrier().wait();
+    g.abort("nothing pending");
+    CHECK_THROWS_AS(g.barrier().wait(), dpl::comm_error);
+    std::vector<float> t(8, 1.0f);
+    CHECK_THROWS_WITH(g.all_reduce(dpl::view(t)).wait(), Catch::Contains("nothing pending"));
+    CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  }
+}
