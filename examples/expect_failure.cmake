@@ -1,7 +1,9 @@
 # Runs a program that must fail, for CTest:
 #   cmake -DEXE=<program> "-DARGS=<arguments, shell-quoted>" -DRC=<exit status> "-DEXPECT=<regex>"
 #         -P expect_failure.cmake
-# Passes when the program exits with RC (not 0, not a crash) and its output or errors match EXPECT.
+#         [-DREJECT=<regex>] -P expect_failure.cmake
+# Passes when the program exits with RC (not 0, not a crash), its output or errors match EXPECT,
+# and (with REJECT) they do not match REJECT.
 
 foreach(var EXE ARGS RC EXPECT)
   if(NOT DEFINED ${var})
@@ -19,6 +21,10 @@ if(NOT rc STREQUAL "${RC}")
 endif()
 if(NOT "${output}${errors}" MATCHES "${EXPECT}")
   message(FATAL_ERROR "expect_failure.cmake: expected the output of ${EXE} ${ARGS} to match \"${EXPECT}\", "
+                      "found the output above")
+endif()
+if(DEFINED REJECT AND "${output}${errors}" MATCHES "${REJECT}")
+  message(FATAL_ERROR "expect_failure.cmake: expected the output of ${EXE} ${ARGS} not to match \"${REJECT}\", "
                       "found the output above")
 endif()
 message(STATUS "expect_failure.cmake: failed as expected, with ${rc} and a message matching \"${EXPECT}\"")

@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -64,6 +65,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>  // getpid
 
 namespace {
 
@@ -290,15 +293,38 @@ start_point load_start(config const& cfg) {
   return s;
 }
 
-/// --save and --save-checkpoint: fails before training when a file's folder does not exist.
-void check_output_folders(config const& cfg) {
+/// --save and --save-checkpoint: fails before training, not after it, when a file cannot be
+/// written: its folder is missing, the name is a directory (or another non-file), or the folder
+/// takes no new file (probed by creating and removing one: the save writes a temporary file there
+/// and renames it over the target).
+void check_outputs_writable(config const& cfg) {
+  namespace fs = std::filesystem;
   for (auto const& [option, file] :
        {std::pair{"--save", &cfg.save}, std::pair{"--save-checkpoint", &cfg.save_checkpoint}}) {
     if (file->empty()) continue;
-    std::filesystem::path const folder = std::filesystem::path(*file).parent_path();
-    if (!folder.empty() && !std::filesystem::is_directory(folder))
-      throw std::runtime_error(std::string(option) + " " + *file + ": expected the folder " + folder.string() +
-                               " to exist, found none; create it first");
+    fs::path const target(*file);
+    fs::path const folder = target.parent_path();
+    std::string const what = std::string(option) + " " + *file + ": ";
+    if (!folder.empty() && !fs::is_directory(folder))
+      throw std::runtime_error(what + "expected the folder " + folder.string() + " to exist, found none; create it first");
+    std::error_code ec;
+    fs::file_status const st = fs::status(target, ec);
+    if (fs::is_directory(st))
+      throw std::runtime_error(what + "expected a file name, found a directory; name a file in it, e.g. " +
+                               (target / "model.safetensors").string());
+    if (fs::exists(st) && !fs::is_regular_file(st))
+      throw std::runtime_error(what + "expected a regular file (or a new name), found another kind of file");
+    fs::path const probe = (folder.empty() ? fs::path(".") : folder) /
+                           ("." + target.filename().string() + ".probe-" + std::to_string(::getpid()));
+    std::FILE* const p = std::fopen(probe.c_str(), "wx");
+    int const error = errno;
+    if (p == nullptr)
+      throw std::runtime_error(what + "cannot create a file in the folder " +
+                               (folder.empty() ? std::string(".") : folder.string()) + " (" +
+                               std::error_code(error, std::generic_category()).message() +
+                               "); choose a writable folder");
+    std::fclose(p);
+    fs::remove(probe, ec);
   }
 }
 
@@ -1074,7 +1100,7 @@ int main(int argc, char** argv) {
   std::string const who = process_rank < 0 ? std::string() : "rank " + std::to_string(process_rank) + ": ";
 
   try {
-    check_output_folders(cfg);
+    check_outputs_writable(cfg);
     start_point const start = load_start(cfg);  // before the data: a bad file fails fast
     cfg.seed = start.progress.seed;              // --resume: the checkpoint's
     training_data const data{
