@@ -48,7 +48,9 @@ def worker(rank, world, args, port, queue):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import datetime
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
 
     class Synthetic(torch.nn.Module):
         def __init__(self, params, nbytes):
@@ -134,12 +136,20 @@ def main():
         procs = [ctx.Process(target=worker, args=(r, world, args, args.port + i, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        rows += queue.get()
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                print(f"overhead_torch: a rank exited with {p.exitcode}", file=sys.stderr)
+        # Rank 0 sends the rows; a rank that died instead must not leave this process waiting.
+        while queue.empty():
+            if any(p.exitcode not in (None, 0) for p in procs):
+                print("overhead_torch: a rank failed", file=sys.stderr)
+                for p in procs:
+                    p.terminate()
                 return 1
+            time.sleep(0.2)
+        rows += queue.get()
+        for p in procs:  # the rows are in; a rank stuck in shutting gloo down is stopped
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.terminate()
+                p.join()
     cols = "devices,params,bytes,busy_us,torch_step_us,torch_local_us,torch_comm_us,torch_overhead_us"
     lines = [cols] + [",".join([str(r[0]), str(r[1]), str(r[2]), str(r[3])] + [f"{v:.1f}" for v in r[4:]]) for r in rows]
     print(f"# PyTorch {torch.__version__} DDP (gloo, CPU, 1 thread per rank) per-step overhead, median of "
