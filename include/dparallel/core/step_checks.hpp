@@ -78,16 +78,16 @@ template <class F, class M, class S>
 struct model_parameter<F, M, S> {
   using type = typename first_parameter<decltype(&F::operator())>::type;
 };
+// A generic lambda is inspected only when it is called with two arguments and has exactly two
+// template parameters (`[](auto m, auto shard)`): they can only be the model's and the shard's.
+// With one template parameter (`[](Model& m, auto shard)`) or a context parameter, naming the
+// call operator's specialisation would bind the wrong parameter and instantiate the body with a
+// wrong type (a hard error), so those are left to the call itself.
 template <class F, class M, class S>
-  requires(!std::is_pointer_v<F> && !requires { &F::operator(); } && requires { &F::template operator()<M, S>; })
+  requires(!std::is_pointer_v<F> && !requires { &F::operator(); } && std::invocable<F&, M&, S> &&
+           requires { &F::template operator()<M, S>; })
 struct model_parameter<F, M, S> {
   using type = typename first_parameter<decltype(&F::template operator()<M, S>)>::type;
-};
-template <class F, class M, class S>
-  requires(!std::is_pointer_v<F> && !requires { &F::operator(); } &&
-           !requires { &F::template operator()<M, S>; } && requires { &F::template operator()<M>; })
-struct model_parameter<F, M, S> {
-  using type = typename first_parameter<decltype(&F::template operator()<M>)>::type;
 };
 
 /// True when the step function visibly takes the model by value.
