@@ -124,7 +124,9 @@ class communicator {
     void* zero = nullptr;
     cuda::check(cudaMalloc(&zero, sizeof(std::int32_t)), "cudaMalloc (barrier)", dev_);
     barrier_word_ = static_cast<std::int32_t*>(zero);
-    cuda::check(cudaMemset(barrier_word_, 0, sizeof(std::int32_t)), "cudaMemset (barrier)", dev_);
+    // Zeroed on the communicator's own stream, so every collective (all on stream_) comes after
+    // it (a non-blocking stream does not wait for the legacy stream's cudaMemset).
+    cuda::check(cudaMemsetAsync(barrier_word_, 0, sizeof(std::int32_t), stream_), "cudaMemsetAsync (barrier)", dev_);
     poller_ = std::make_unique<dparallel::detail::collective_poller<driver>>(rank_, driver_);
   }
   communicator(communicator const&) = delete;
