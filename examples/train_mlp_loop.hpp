@@ -1,0 +1,238 @@
+// train_mlp's training loop and what every mode shares: the epoch's data plan, the batches,
+// plain SGD, the evaluation and the parameter fingerprint (see train_mlp.hpp for the other parts).
+#pragma once
+
+#include "train_mlp.hpp"
+#if DPARALLEL_EXAMPLE_CUDA
+#include "train_mlp_cuda.hpp"
+#endif
+
+#include <cmath>
+#include <optional>
+#include <span>
+
+namespace example {
+
+// ------------------------------------------------------------------------------------------------
+// What every mode shares
+
+/// The samples of one epoch, as DDP with R ranks reads them: rank r reads the indices that
+/// dparallel::distributed_sampler (shuffled from seed + epoch) gives it, in batches of B / R, and
+/// global batch j is the concatenation, in rank order, of every rank's batch j. Single and dp runs
+/// with --sampler-replicas R visit exactly the batches of a DDP run with R ranks, in the same
+/// order (R = 1 is the plain shuffled order).
+class epoch_plan {
+ public:
+  epoch_plan(std::size_t dataset_size, int replicas, std::size_t global_batch, std::uint64_t seed, int epoch)
+      : per_rank_(global_batch / static_cast<std::size_t>(replicas)) {
+    for (int r = 0; r < replicas; ++r) {
+      dparallel::distributed_sampler sampler(dataset_size, replicas, r, {.shuffle = true, .seed = seed});
+      sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+      streams_.emplace_back(sampler.begin(), sampler.end());
+    }
+  }
+  /// Number of global batches (the last may be smaller).
+  [[nodiscard]] std::size_t batches() const { return (streams_[0].size() + per_rank_ - 1) / per_rank_; }
+  /// Rank r's samples of global batch j.
+  [[nodiscard]] std::span<std::uint32_t const> slice(std::size_t j, int r) const {
+    auto const& s = streams_[static_cast<std::size_t>(r)];
+    std::size_t const first = j * per_rank_;
+    return std::span<std::uint32_t const>(s).subspan(first, std::min(per_rank_, s.size() - first));
+  }
+  /// Every rank's samples of global batch j, in rank order.
+  [[nodiscard]] std::vector<std::uint32_t> global(std::size_t j) const {
+    std::vector<std::uint32_t> all;
+    for (int r = 0; r < static_cast<int>(streams_.size()); ++r) {
+      auto const part = slice(j, r);
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    return all;
+  }
+  [[nodiscard]] std::size_t samples() const { return streams_.size() * streams_[0].size(); }
+
+ private:
+  std::size_t per_rank_;
+  std::vector<std::vector<std::uint32_t>> streams_;
+};
+
+/// One batch's samples copied out of the dataset into buffers of its own (what the loader's make
+/// function returns, so that worker threads can make batches ahead); view() is the batch the
+/// model reads (images with rows = samples), valid while this object lives.
+struct gathered_batch {
+  std::vector<float> images;
+  std::vector<std::int32_t> labels;
+
+  [[nodiscard]] batch view() const {
+    std::size_t const n = labels.size();
+    return {dparallel::tensor_view<float const>(images.data(), n * mlp::inputs, n),
+            dparallel::tensor_view<std::int32_t const>(labels.data(), n, n)};
+  }
+};
+
+/// Copies the samples `samples` names, in that order. Reads `data` only: safe to call from
+/// several loader workers at once.
+inline gathered_batch gather(fashion_mnist::dataset const& data, std::span<std::size_t const> samples) {
+  gathered_batch out{std::vector<float>(samples.size() * mlp::inputs), std::vector<std::int32_t>(samples.size())};
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    float const* src = data.images.data() + samples[i] * mlp::inputs;
+    std::copy(src, src + mlp::inputs, out.images.begin() + static_cast<std::ptrdiff_t>(i * mlp::inputs));
+    out.labels[i] = data.labels[samples[i]];
+  }
+  return out;
+}
+
+/// Plain SGD on the master: p -= lr * g for every parameter, reached through the same
+/// customisation points dparallel uses.
+inline void sgd(mlp& m, float lr) {
+  auto params = dparallel::parameters(m);
+  auto grads = dparallel::gradients(m);
+  for (std::size_t k = 0; k < params.size(); ++k)
+    for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
+}
+
+/// Fraction of `test` that `m` classifies correctly.
+inline double evaluate(mlp& m, fashion_mnist::dataset const& test) {
+  constexpr std::size_t chunk = 1000;
+  std::size_t correct = 0;
+  for (std::size_t first = 0; first < test.size(); first += chunk) {
+    std::size_t const n = std::min(chunk, test.size() - first);
+    batch const b{dparallel::tensor_view<float const>(test.images.data() + first * mlp::inputs, n * mlp::inputs, n),
+                  dparallel::tensor_view<std::int32_t const>(test.labels.data() + first, n, n)};
+    correct += m.count_correct(b);
+  }
+  return static_cast<double>(correct) / static_cast<double>(test.size());
+}
+
+inline fingerprint parameter_fingerprint(mlp& m) {
+  double sum = 0, sq = 0;
+  for (auto const& p : dparallel::parameters(m))
+    for (float x : p) {
+      sum += static_cast<double>(x);
+      sq += static_cast<double>(x) * static_cast<double>(x);
+    }
+  return {sum, std::sqrt(sq)};
+}
+
+using seconds = std::chrono::duration<double>;
+
+/// The model train() evaluates, fingerprints and saves: on the host backend, the master itself.
+inline mlp& host_model(mlp& m) { return m; }
+
+#if DPARALLEL_EXAMPLE_CUDA
+/// The master of a --backend cuda run, as train() drives it: SGD runs on the GPU; evaluation,
+/// fingerprints and files read `host`, a copy of the GPU parameters made when asked for. (So both
+/// backends evaluate and save with the same host code.)
+struct gpu_master {
+  train_mlp_cuda::runner* run;
+  mlp host;
+};
+inline void sgd(gpu_master& m, float lr) { m.run->sgd(lr); }
+inline mlp& host_model(gpu_master& m) {
+  m.run->download(m.host);
+  return m.host;
+}
+#endif
+
+/// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
+/// double` is the mode: it returns the mean loss over the global batch and leaves the gradient of
+/// that mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
+/// the wrapper's profile). Then SGD updates `master`; after each epoch `master` is evaluated on the test set.
+/// `master` is an mlp, or a gpu_master on the CUDA backend (see host_model).
+/// `rank` is -1 for modes that see the whole global batch; a DDP rank passes its rank and gets
+/// only its own part of every batch (rank 0 alone evaluates, prints and writes files).
+///
+/// Each epoch's batches come from a dparallel::loader (--workers threads make them ahead, in
+/// order) over the plan's index lists, so the batches, hence the results, do not depend on
+/// --workers.
+///
+/// The loop starts where `start.progress` stands (epoch, step, and the sampler position: the
+/// number of its indices each sampler replica has consumed in that epoch) and stops after the last
+/// epoch or at step cfg.steps, whichever comes first; the progress at that point is what
+/// --save-checkpoint writes, with the position of the next batch (an epoch's end is the next
+/// epoch's start).
+template <class Master, class Step>
+result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
+             Step&& step) {
+  result r;
+  bool const reports = rank <= 0;
+  auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
+  auto const lr = static_cast<float>(cfg.lr);
+  std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
+  auto const epochs = static_cast<std::uint64_t>(cfg.epochs);
+  dparallel::training_progress p = start.progress;
+  r.start_step = p.step;
+  bool early_taken = false, evaluated = false;
+  seconds total{0};
+  std::size_t seen = 0;
+  while (p.epoch < epochs && p.step < cfg.steps) {
+    auto const begin = std::chrono::steady_clock::now();
+    int const epoch = static_cast<int>(p.epoch);
+    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, p.seed, epoch);
+    std::size_t const first = static_cast<std::size_t>(p.sampler.index) / per_rank;
+    if (p.sampler.epoch != p.epoch || p.sampler.index % per_rank != 0 || first >= plan.batches())
+      throw std::runtime_error("--resume: the checkpoint's sampler position (epoch " +
+                               std::to_string(p.sampler.epoch) + ", index " + std::to_string(p.sampler.index) +
+                               ") is not the start of a batch of epoch " + std::to_string(p.epoch) + " (" +
+                               std::to_string(plan.batches()) + " batches of " + std::to_string(per_rank) +
+                               " samples per replica); it was not written by this program's --save-checkpoint");
+    // Batches first.. of the epoch: the whole global batch, or this rank's part of it.
+    std::vector<std::vector<std::size_t>> lists;
+    std::vector<std::size_t> global_sizes;
+    for (std::size_t k = first; k < plan.batches(); ++k) {
+      std::vector<std::uint32_t> const all = plan.global(k);
+      global_sizes.push_back(all.size());
+      if (rank < 0) {
+        lists.emplace_back(all.begin(), all.end());
+      } else {
+        auto const part = plan.slice(k, rank);
+        lists.emplace_back(part.begin(), part.end());
+      }
+    }
+    dparallel::loader batches(lists, make, {.num_workers = cfg.workers});
+    double loss_sum = 0;
+    std::size_t samples = 0, j = first;
+    for (; j < plan.batches() && p.step < cfg.steps; ++j) {
+      std::optional<gathered_batch> const made = batches.next();
+      if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
+      r.data_wait_seconds += seconds(batches.last_wait()).count();
+      double const loss = step(made->view(), batches.last_wait());
+      sgd(master, lr);
+      std::size_t const n = global_sizes[j - first];
+      loss_sum += loss * static_cast<double>(n);
+      samples += n;
+      p.sampler.index = (j + 1) * per_rank;
+      if (++p.step == early_steps) {
+        early_taken = true;
+        r.early_steps = early_steps;
+        r.early = parameter_fingerprint(host_model(master));  // once; well under a millisecond
+      }
+    }
+    if (j == plan.batches()) p.sampler = {.epoch = ++p.epoch, .index = 0};
+    seconds const took = std::chrono::steady_clock::now() - begin;
+    total += took;
+    seen += samples;
+    r.train_loss = loss_sum / static_cast<double>(samples);
+    if (!reports) continue;
+    r.test_accuracy = evaluate(host_model(master), data.test);
+    evaluated = true;
+    std::printf("epoch %d/%d  train_loss %.4f  test_accuracy %.4f  samples/s %.0f  (%.2f s)", epoch + 1, cfg.epochs,
+                r.train_loss, r.test_accuracy, static_cast<double>(samples) / took.count(), took.count());
+    if (first != 0 || j != plan.batches()) std::printf("  batches %zu-%zu of %zu", first + 1, j, plan.batches());
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  if (reports && !evaluated)  // no step ran: the start model's
+    r.test_accuracy = evaluate(host_model(master), data.test);
+  r.train_seconds = total.count();
+  r.samples_per_s = seen == 0 ? 0.0 : static_cast<double>(seen) / total.count();
+  r.params = parameter_fingerprint(host_model(master));
+  r.steps = p.step;
+  if (!early_taken) {
+    r.early_steps = static_cast<std::size_t>(p.step);
+    r.early = r.params;
+  }
+  if (reports) save_outputs(cfg, data, p, host_model(master));
+  return r;
+}
+
+}  // namespace example

@@ -1,0 +1,205 @@
+// train_mlp's modes: one function each (single, dp, ddp over threads or MPI processes, and the
+// GPU runners of --backend cuda), all through the one training loop of train_mlp_loop.hpp.
+#include "train_mlp_loop.hpp"
+#if DPARALLEL_EXAMPLE_MPI
+#include <dparallel/comm/mpi.hpp>
+#endif
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace example {
+
+// ------------------------------------------------------------------------------------------------
+// The modes: one function each, sharing everything above.
+
+/// --profile in single mode: the loop's total wait for its batches (no wrapper, no step profile).
+void print_single_profile(config const& cfg, result const& r) {
+  if (!cfg.profile) return;
+  std::printf("train_mlp: profile: data wait %.3f ms in total over %llu steps (--mode single has no wrapper, "
+              "so no step profile)\n",
+              r.data_wait_seconds * 1e3, static_cast<unsigned long long>(r.steps - r.start_step));
+}
+
+/// One device: the model runs the whole global batch itself. No wrapper, so no step profile:
+/// --profile prints only the loop's total wait for its batches.
+result run_single(config const& cfg, training_data const& data, start_point const& start) {
+  mlp model = start.model;
+  result r = train(cfg, data, start, model, -1, [&](batch const& b, std::chrono::nanoseconds) {
+    return static_cast<double>(model.forward_backward(b));
+  });
+  r.devices = 1;
+  print_single_profile(cfg, r);
+  return r;
+}
+
+/// --profile: the wrapper's table of its mean step (rank 0 alone prints under DDP).
+template <class Wrapper>
+void print_profile(config const& cfg, Wrapper const& wrapper) {
+  if (!cfg.profile) return;
+  std::printf("%s", dparallel::format_profile(wrapper.profile()).c_str());
+  std::fflush(stdout);
+}
+
+/// DataParallel over `cfg.devices` host logical devices: each step splits the global batch into
+/// shards (torch.chunk), copies the master's parameters to the replicas, runs forward/backward on
+/// every shard concurrently and reduces the shard-weighted gradients onto the master.
+result run_dp(config const& cfg, training_data const& data, start_point const& start) {
+  mlp model = start.model;
+  dparallel::data_parallel<mlp> dp(model, dparallel::host::devices(cfg.devices));
+  result r = train(cfg, data, start, dp.module(), -1, [&](batch const& b, std::chrono::nanoseconds waited) {
+    dp.note_data_wait(waited);
+    std::vector<float> const losses =
+        dp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+    // One mean loss per device that received a shard, in device order: weight each by its size.
+    double sum = 0;
+    std::size_t k = 0;
+    for (std::size_t size : dp.last_shard_sizes())
+      if (size != 0) sum += static_cast<double>(losses[k++]) * static_cast<double>(size);
+    return sum / static_cast<double>(b.images.rows());
+  });
+  r.devices = cfg.devices;
+  print_profile(cfg, dp);
+  return r;
+}
+
+#if DPARALLEL_EXAMPLE_MPI
+result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start);
+#endif
+
+/// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
+/// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
+/// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
+/// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
+result run_ddp(config const& cfg, training_data const& data, start_point const& start) {
+#if DPARALLEL_EXAMPLE_MPI
+  if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data, start);
+#endif
+  result out;
+  dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
+    mlp model = start.model;
+    dparallel::distributed_data_parallel<mlp> ddp(model, rank.group());
+    result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
+      ddp.note_data_wait(waited);
+      float const loss =
+          ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+      // The global batch's mean loss, for the progress line: sum of (loss x samples) over ranks.
+      std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
+                                 static_cast<double>(b.images.rows())};
+      rank.group().all_reduce(dparallel::view(sums)).wait();
+      return sums[0] / sums[1];
+    });
+    if (rank.rank() == 0) {
+      out = r;
+      print_profile(cfg, ddp);
+    }
+  });
+  out.devices = cfg.devices;
+  return out;
+}
+
+#if DPARALLEL_EXAMPLE_MPI
+/// DDP with one rank per MPI process: the same training as run_ddp, over the MPI group; each
+/// process reads its own part of every global batch. Returns rank 0's result on rank 0.
+result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start) {
+  dparallel::process_group const& group = *mpi_group;
+  mlp model = start.model;
+  dparallel::distributed_data_parallel<mlp> ddp(model, group);
+  result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
+    ddp.note_data_wait(waited);
+    float const loss =
+        ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+    std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
+                               static_cast<double>(b.images.rows())};
+    group.all_reduce(dparallel::view(sums)).wait();
+    return sums[0] / sums[1];
+  });
+  r.devices = group.size();
+  if (group.rank() == 0) print_profile(cfg, ddp);
+  return r;
+}
+#endif
+
+#if DPARALLEL_EXAMPLE_CUDA
+/// The training loop with a GPU runner as the master (rank as train() takes it).
+result train_on_gpu(config const& cfg, training_data const& data, start_point const& start,
+                    train_mlp_cuda::runner& run, int rank) {
+  gpu_master master{&run, start.model};
+  return train(cfg, data, start, master, rank,
+               [&run](batch const& b, std::chrono::nanoseconds waited) { return run.step(b, waited); });
+}
+
+/// --profile: a GPU runner's wrapper table (rank 0 alone prints under DDP).
+void print_gpu_profile(config const& cfg, train_mlp_cuda::runner const& run) {
+  if (!cfg.profile) return;
+  std::printf("%s", run.profile().c_str());
+  std::fflush(stdout);
+}
+
+/// --backend cuda: the mode's runner (train_mlp_cuda.hpp) on the GPUs, through the same loop as the
+/// host backend. ddp: thread ranks need one GPU each (NCCL); --comm nccl runs one rank per process.
+result run_cuda(config const& cfg, training_data const& data, start_point const& start) {
+  auto const announce = [](train_mlp_cuda::runner const& run) {
+    std::printf("train_mlp: logical devices %s\n", run.devices().c_str());
+    std::fflush(stdout);
+  };
+  if (cfg.mode == "single") {
+    auto const run = train_mlp_cuda::make_single(start.model);
+    announce(*run);
+    result r = train_on_gpu(cfg, data, start, *run, -1);
+    r.devices = 1;
+    print_single_profile(cfg, r);
+    return r;
+  }
+  if (cfg.mode == "dp") {
+    auto const run = train_mlp_cuda::make_dp(start.model, cfg.devices);
+    announce(*run);
+    result r = train_on_gpu(cfg, data, start, *run, -1);
+    r.devices = cfg.devices;
+    print_gpu_profile(cfg, *run);
+    return r;
+  }
+  if (cfg.comm == "nccl") {  // this process is one rank
+    dparallel::distributed_group const& group = *nccl_group;
+    auto const run = train_mlp_cuda::make_ddp(start.model, group, train_mlp_cuda::gpu_of(group));
+    result r = train_on_gpu(cfg, data, start, *run, group.rank());
+    r.devices = group.size();
+    if (group.rank() == 0) print_gpu_profile(cfg, *run);
+    return r;
+  }
+  // Thread ranks, one GPU each. A rank that fails aborts its group, so the others fail at once
+  // instead of at the timeout; the first failure is reported.
+  std::vector<dparallel::process_group> groups = train_mlp_cuda::make_nccl_groups(cfg.devices);
+  result out;
+  std::mutex m;
+  std::exception_ptr first;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < cfg.devices; ++r) {
+    ranks.emplace_back([&, r] {
+      dparallel::process_group const& group = groups[static_cast<std::size_t>(r)];
+      try {
+        auto const run = train_mlp_cuda::make_ddp(start.model, group, r);
+        result mine = train_on_gpu(cfg, data, start, *run, r);
+        if (r == 0) {
+          out = mine;
+          print_gpu_profile(cfg, *run);
+        }
+      } catch (std::exception const& e) {
+        {
+          std::lock_guard lock(m);
+          if (!first) first = std::current_exception();
+        }
+        group.abort("rank " + std::to_string(r) + " failed: " + e.what());
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  if (first) std::rethrow_exception(first);
+  out.devices = cfg.devices;
+  return out;
+}
+#endif
+
+}  // namespace example

@@ -1,0 +1,300 @@
+// train_mlp's command line: the options, their checks, --help, and --backend auto.
+#include "train_mlp.hpp"
+#if DPARALLEL_EXAMPLE_CUDA
+#include "train_mlp_cuda.hpp"
+#endif
+
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <system_error>
+#include <thread>
+
+namespace example {
+
+// ------------------------------------------------------------------------------------------------
+// Command line
+
+void print_usage(std::FILE* out) {
+  std::fprintf(out,
+               "usage: train_mlp [options]\n"
+               "Trains the 784-512-ReLU-10 MLP on Fashion-MNIST with SGD and reports test accuracy and throughput.\n"
+               "\n"
+               "  --mode M       ");
+  for (std::size_t i = 0; i < modes.size(); ++i)
+    std::fprintf(out, "%s%.*s", i == 0 ? "" : "|", static_cast<int>(modes[i].name.size()), modes[i].name.data());
+  std::fprintf(out, " (default: single)\n");
+  for (auto const& m : modes)
+    std::fprintf(out, "                   %.*s: %.*s\n", static_cast<int>(m.name.size()), m.name.data(),
+                 static_cast<int>(m.help.size()), m.help.data());
+  std::fprintf(out,
+               "  --backend K    host, cuda or auto (default: auto: cuda when a GPU is visible, else host;\n"
+               "                 it prints which). cuda %s\n"
+               "  --devices N    dp: logical devices, ddp: thread ranks (default: the hardware threads, %u\n"
+               "                 here, one core each; cuda: the GPUs; dp on fewer GPUs puts lanes on GPU 0,\n"
+               "                 ddp on cuda needs N GPUs); single: 1; ddp --comm mpi|nccl: the processes\n"
+               "  --comm C       ddp only: thread (ranks are threads, default), mpi (ranks are MPI processes:\n"
+               "                 mpirun -np N train_mlp --mode ddp --comm mpi) or nccl (ranks are processes,\n"
+               "                 one GPU each, under mpirun or torchrun-style MASTER_ADDR/MASTER_PORT)\n"
+               "                 mpi: %s; nccl: %s\n"
+               "  --epochs E     passes over the 60000 training images (default: 5)\n"
+               "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
+               "  --lr LR        SGD learning rate (default: 0.1)\n"
+               "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1; --init\n"
+               "                 replaces the initialisation, --resume brings the checkpoint's seed)\n"
+               "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
+               "                 the concatenation of the R ranks' batch j (default: 1; ddp: --devices)\n"
+               "  --data DIR     folder of the gzip'ed IDX files (default: %s)\n"
+               "  --train-samples N  train on the first N training images only (quick runs; default: all)\n"
+               "  --steps K      stop after K optimizer steps in total, counting those before --resume\n"
+               "                 (default: no limit; --epochs still ends the run)\n"
+               "  --workers N    N loader threads make each rank's batches ahead of training (default: 0,\n"
+               "                 made on the training thread); the batches, hence the results, are the same\n"
+               "  --profile      at the end, print where the mean step's time went (scatter, replicate,\n"
+               "                 compute, reduce, gather, data wait; ddp: rank 0's); single: the data wait\n"
+               "Files (safetensors; every process reads --init and --resume, rank 0 alone writes):\n"
+               "  --init FILE    start from the model in FILE (a state dict as --save writes it) instead of\n"
+               "                 the seeded initialisation; every name and shape must match\n"
+               "  --save FILE    at the end, save the trained model to FILE as a state dict (tensors w1, b1,\n"
+               "                 w2, b2; dp: the master model, ddp: rank 0's replica)\n"
+               "  --save-checkpoint FILE  at the end (after the last epoch or at --steps), save the training\n"
+               "                 state to FILE: model, epoch, step, sampler position, seed\n"
+               "  --resume FILE  continue the run a --save-checkpoint FILE stopped, in any mode: its model,\n"
+               "                 seed and position; --batch, --sampler-replicas and --train-samples must be\n"
+               "                 those it was written with, --epochs and --steps count from the run's start\n"
+               "Output and help:\n"
+               "  --json         end with one line holding a JSON object of the results\n"
+               "  --help         this text\n",
+#if DPARALLEL_EXAMPLE_CUDA
+               "is available in this build",
+#else
+               "is not available: this build found no CUDA",
+#endif
+               std::max(1u, std::thread::hardware_concurrency()),
+#if DPARALLEL_EXAMPLE_MPI
+               "available in this build",
+#else
+               "not available: this build found no MPI",
+#endif
+#if DPARALLEL_EXAMPLE_NCCL
+               "available in this build",
+#else
+               "not available: this build found no NCCL",
+#endif
+               fashion_mnist::default_dir);
+}
+
+template <class Int>
+Int parse_int(std::string_view option, std::string_view text, Int min, Int max) {
+  Int v{};
+  auto const [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range ||
+      (ec == std::errc{} && end == text.data() + text.size() && (v < min || v > max)))
+    throw usage_error(std::string(option) + ": expected an integer from " + std::to_string(min) + " to " +
+                      std::to_string(max) + ", found '" + std::string(text) + "'");
+  if (ec != std::errc{} || end != text.data() + text.size())
+    throw usage_error(std::string(option) + ": expected an integer, found '" + std::string(text) + "'");
+  return v;
+}
+
+double parse_positive(std::string_view option, std::string_view text) {
+  std::string const s(text);
+  char* end = nullptr;
+  double const v = std::strtod(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || !(v > 0))
+    throw usage_error(std::string(option) + ": expected a positive number, found '" + s + "'");
+  return v;
+}
+
+/// Resolves --backend auto: CUDA when this build has it and a GPU is visible (and the ranks are not
+/// MPI processes, whose engine reduces host memory), else the host. Returns why auto chose what it
+/// chose (empty for an explicit --backend); sets cfg.gpus. Throws std::runtime_error (exit status
+/// 1, not a usage error: the command is right, the machine lacks a GPU) for --backend cuda or
+/// --comm nccl without a GPU.
+std::string resolve_backend(config& cfg) {
+  std::string why;
+#if DPARALLEL_EXAMPLE_CUDA
+  if (cfg.backend == "host") return why;
+  cfg.gpus = train_mlp_cuda::device_count();
+  std::string const none = cfg.gpus == 0 ? train_mlp_cuda::no_device_reason() : std::string();
+  if (cfg.backend == "auto") {
+    if (cfg.comm == "mpi") {
+      cfg.backend = "host";
+      why = "--comm mpi reduces host memory";
+    } else if (cfg.gpus > 0) {
+      cfg.backend = "cuda";
+      why = std::to_string(cfg.gpus) + (cfg.gpus == 1 ? " GPU is" : " GPUs are") + " visible";
+    } else {
+      cfg.backend = "host";
+      why = "no CUDA device: " + none;
+    }
+  }
+  if (cfg.comm == "nccl" && cfg.gpus == 0)
+    throw std::runtime_error("--comm nccl: NCCL runs on GPUs, and there is none (" + none +
+                             "); on the host use --comm thread or mpi");
+  if (cfg.backend == "cuda" && cfg.gpus == 0)
+    throw std::runtime_error("--backend cuda: no CUDA device to run on (" + none +
+                             "); use --backend host, or --backend auto (the host when there is no GPU)");
+#else
+  if (cfg.backend == "auto") {
+    cfg.backend = "host";
+    why = "this build of train_mlp has no CUDA";
+  }
+#endif
+  return why;
+}
+
+config parse_command_line(int argc, char** argv) {
+  config cfg;
+  bool devices_given = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    std::string_view value;
+    bool has_value = false;
+    if (auto const eq = arg.find('='); arg.starts_with("--") && eq != std::string_view::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    auto flag = [&] {
+      if (has_value) throw usage_error(std::string(arg) + " takes no value");
+    };
+    auto next = [&]() -> std::string_view {
+      if (has_value) return value;
+      if (i + 1 >= argc) throw usage_error(std::string(arg) + ": expected a value after it");
+      return argv[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      flag();
+      cfg.help = true;
+    } else if (arg == "--json") {
+      flag();
+      cfg.json = true;
+    } else if (arg == "--mode") {
+      cfg.mode = std::string(next());
+      if (find_mode(cfg.mode) == nullptr) {
+        std::string known;
+        for (auto const& m : modes) known += (known.empty() ? "" : ", ") + std::string(m.name);
+        throw usage_error("--mode: expected one of " + known + ", found '" + cfg.mode + "'");
+      }
+    } else if (arg == "--devices") {
+      cfg.devices = parse_int<int>(arg, next(), 1, 1024);
+      devices_given = true;
+    } else if (arg == "--epochs") {
+      cfg.epochs = parse_int<int>(arg, next(), 1, 100000);
+    } else if (arg == "--batch") {
+      cfg.global_batch = parse_int<std::size_t>(arg, next(), 1, 60000);
+    } else if (arg == "--lr") {
+      cfg.lr = parse_positive(arg, next());
+    } else if (arg == "--seed") {
+      cfg.seed = parse_int<std::uint64_t>(arg, next(), 0, UINT64_MAX);
+      cfg.seed_given = true;
+    } else if (arg == "--sampler-replicas") {
+      cfg.sampler_replicas = parse_int<int>(arg, next(), 1, 1024);
+    } else if (arg == "--backend") {
+      cfg.backend = std::string(next());
+      if (cfg.backend != "host" && cfg.backend != "cuda" && cfg.backend != "auto")
+        throw usage_error("--backend: expected host, cuda or auto, found '" + cfg.backend + "'");
+#if !DPARALLEL_EXAMPLE_CUDA
+      if (cfg.backend == "cuda")
+        throw usage_error("--backend cuda: this build of train_mlp has no CUDA (CMake found no CUDA toolkit; install "
+                          "it, e.g. under /usr/local/cuda, then reconfigure)");
+#endif
+    } else if (arg == "--comm") {
+      cfg.comm = std::string(next());
+      if (cfg.comm != "thread" && cfg.comm != "mpi" && cfg.comm != "nccl")
+        throw usage_error("--comm: expected thread, mpi or nccl, found '" + cfg.comm + "'");
+#if !DPARALLEL_EXAMPLE_MPI
+      if (cfg.comm == "mpi")
+        throw usage_error("--comm mpi: this build of train_mlp has no MPI (CMake found none; Debian: apt-get install "
+                          "libopenmpi-dev openmpi-bin, then reconfigure)");
+#endif
+#if !DPARALLEL_EXAMPLE_NCCL
+      if (cfg.comm == "nccl")
+        throw usage_error("--comm nccl: this build of train_mlp has no NCCL (CMake found no CUDA toolkit or no NCCL; "
+                          "set NCCL_ROOT, then reconfigure)");
+#endif
+    } else if (arg == "--data") {
+      cfg.data = std::string(next());
+      if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
+    } else if (arg == "--train-samples") {
+      cfg.train_samples = parse_int<std::size_t>(arg, next(), 1, std::numeric_limits<std::uint32_t>::max());
+    } else if (arg == "--workers") {
+      cfg.workers = parse_int<std::size_t>(arg, next(), 0, 256);
+    } else if (arg == "--profile") {
+      flag();
+      cfg.profile = true;
+    } else if (arg == "--steps") {
+      cfg.steps = parse_int<std::uint64_t>(arg, next(), 0, std::numeric_limits<std::uint64_t>::max() - 1);
+    } else if (arg == "--init" || arg == "--resume" || arg == "--save" || arg == "--save-checkpoint") {
+      std::string& file = arg == "--init" ? cfg.init
+                          : arg == "--resume" ? cfg.resume
+                          : arg == "--save"   ? cfg.save
+                                              : cfg.save_checkpoint;
+      file = std::string(next());
+      if (file.empty()) throw usage_error(std::string(arg) + ": expected a file name, found an empty string");
+    } else {
+      throw usage_error("unknown option '" + std::string(argv[i]) + "'");
+    }
+  }
+  if (!cfg.init.empty() && !cfg.resume.empty())
+    throw usage_error("--init " + cfg.init + " --resume " + cfg.resume +
+                      ": a checkpoint holds the model already; pass one of them");
+  if (!cfg.save.empty() && cfg.save == cfg.save_checkpoint)
+    throw usage_error("--save and --save-checkpoint: expected two files, found " + cfg.save + " twice");
+  if (cfg.comm == "mpi" && cfg.mode != "ddp")
+    throw usage_error("--comm mpi: only --mode ddp runs over MPI processes, found --mode " + cfg.mode);
+  if (cfg.comm == "nccl" && cfg.mode != "ddp")
+    throw usage_error("--comm nccl: only --mode ddp runs over NCCL processes, found --mode " + cfg.mode);
+  if (cfg.comm == "mpi" && cfg.backend == "cuda")
+    throw usage_error("--comm mpi --backend cuda: the MPI engine reduces host memory; on GPUs use --comm nccl "
+                      "(under mpirun, MPI carries NCCL's unique id)");
+  if (cfg.comm == "nccl" && cfg.backend == "host")
+    throw usage_error("--comm nccl --backend host: NCCL reduces GPU memory; on the host use --comm thread or mpi");
+  if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);  // throws std::runtime_error (exit 1) without a GPU
+  // The world size, hence devices and sampler replicas, come from the launch: see main.
+  if (cfg.comm == "mpi" || cfg.comm == "nccl") return cfg;
+  if (cfg.mode == "single") {
+    if (devices_given && cfg.devices != 1)
+      throw usage_error("--devices " + std::to_string(cfg.devices) +
+                        ": --mode single runs on one device; use --mode dp for several");
+    cfg.devices = 1;
+  } else if (!devices_given) {
+    cfg.devices = cfg.backend == "cuda" ? std::max(1, cfg.gpus)
+                                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
+  if (cfg.mode == "ddp") {
+    if (cfg.sampler_replicas != 0 && cfg.sampler_replicas != cfg.devices)
+      throw usage_error("--sampler-replicas " + std::to_string(cfg.sampler_replicas) +
+                        ": --mode ddp reads the data as its " + std::to_string(cfg.devices) + " ranks do");
+    cfg.sampler_replicas = cfg.devices;
+  } else if (cfg.sampler_replicas == 0) {
+    cfg.sampler_replicas = 1;
+  }
+  if (cfg.global_batch % static_cast<std::size_t>(cfg.sampler_replicas) != 0)
+    throw usage_error("--batch " + std::to_string(cfg.global_batch) + ": expected a multiple of the " +
+                      std::to_string(cfg.sampler_replicas) + " sampler replicas (ranks), which share it equally");
+  return cfg;
+}
+
+#if DPARALLEL_EXAMPLE_MPI || DPARALLEL_EXAMPLE_NCCL
+/// --comm mpi or nccl: the ranks are the processes of the launch. Checks --devices and
+/// --sampler-replicas against the world size and the batch's divisibility, as parse_command_line
+/// does for thread ranks.
+void apply_world(config& cfg, int world) {
+  if (cfg.devices != 0 && cfg.devices != world)
+    throw usage_error("--devices " + std::to_string(cfg.devices) + ": under --comm " + cfg.comm +
+                      " the ranks are the " + std::to_string(world) +
+                      " processes of the launch (mpirun -np, torchrun --nproc-per-node); leave --devices out");
+  if (cfg.sampler_replicas != 0 && cfg.sampler_replicas != world)
+    throw usage_error("--sampler-replicas " + std::to_string(cfg.sampler_replicas) +
+                      ": --mode ddp reads the data as its " + std::to_string(world) + " ranks do");
+  cfg.devices = world;
+  cfg.sampler_replicas = world;
+  if (cfg.global_batch % static_cast<std::size_t>(world) != 0)
+    throw usage_error("--batch " + std::to_string(cfg.global_batch) + ": expected a multiple of the " +
+                      std::to_string(world) + " sampler replicas (ranks), which share it equally");
+}
+#endif
+
+}  // namespace example
