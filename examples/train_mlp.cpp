@@ -30,6 +30,7 @@
 //
 // The program's parts: train_mlp.hpp lists them.
 
+#include "blas_info.hpp"
 #include "train_mlp.hpp"
 #if DPARALLEL_EXAMPLE_CUDA
 #include "train_mlp_cuda.hpp"
@@ -67,7 +68,7 @@ std::string exact(double v) {
   return s;
 }
 
-std::string to_json(config const& cfg, result const& r, training_data const& data) {
+std::string to_json(config const& cfg, result const& r, training_data const& data, blas_info::report const& blas) {
   return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"" + cfg.backend + "\"" +
          (cfg.mode == "ddp" ? ",\"comm\":\"" + cfg.comm + "\"" : std::string()) +
          ",\"devices\":" + std::to_string(r.devices) +
@@ -80,7 +81,7 @@ std::string to_json(config const& cfg, result const& r, training_data const& dat
          ",\"train_seconds\":" + number(r.train_seconds) + ",\"param_sum\":" + exact(r.params.sum) +
          ",\"param_l2\":" + exact(r.params.l2) + ",\"early_steps\":" + std::to_string(r.early_steps) +
          ",\"early_param_sum\":" + exact(r.early.sum) + ",\"early_param_l2\":" + exact(r.early.l2) +
-         ",\"start_step\":" + std::to_string(r.start_step) + ",\"steps\":" + std::to_string(r.steps) + "}";
+         ",\"start_step\":" + std::to_string(r.start_step) + ",\"steps\":" + std::to_string(r.steps) + "," + blas_info::json_fields(blas) + "}";
 }
 
 }  // namespace
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
 
   // One device is one core: OpenBLAS must not start threads of its own under dparallel's.
   openblas_set_num_threads(1);
+  blas_info::report const blas = blas_info::detect();
 
 #if DPARALLEL_EXAMPLE_MPI
   // --comm mpi: this process is one rank of the MPI job; the world size is the number of ranks.
@@ -163,6 +165,7 @@ int main(int argc, char** argv) {
                         std::to_string(data.train.size()) + " images of the training set");
     check_resume(cfg, start, data);
     if (prints) {
+      if (auto const w = blas_info::warning(blas); !w.empty()) std::fprintf(stderr, "train_mlp: %s\n", w.c_str());
       if (!cfg.backend_reason.empty())
         std::printf("train_mlp: backend auto chose %s (%s)\n", cfg.backend.c_str(), cfg.backend_reason.c_str());
       if (process_rank < 0)
@@ -194,7 +197,8 @@ int main(int argc, char** argv) {
       std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",
                   r.test_accuracy, r.train_loss, r.samples_per_s, exact(r.params.sum).c_str(),
                   exact(r.params.l2).c_str());
-      if (cfg.json) std::printf("%s\n", to_json(cfg, r, data).c_str());
+      std::printf("train_mlp: %s\n", blas_info::summary(blas).c_str());
+      if (cfg.json) std::printf("%s\n", to_json(cfg, r, data, blas).c_str());
       std::fflush(stdout);
     }
   } catch (std::exception const& e) {
