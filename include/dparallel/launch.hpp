@@ -175,7 +175,9 @@ class batch_plan {
 template <class Semantics, class Backend = host::backend>
 class session {
  public:
+  /// The bundle this session was launched with (dp, ddp, ...).
   using semantics_type = Semantics;
+  /// The backend its devices belong to.
   using backend_type = Backend;
   /// Whether this session is one rank of a process group (DDP bundles).
   static constexpr bool distributed = is_distributed_v<Semantics>;

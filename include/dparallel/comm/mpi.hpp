@@ -95,6 +95,8 @@ namespace mpi {
 /// Every rank of `parent` must construct it (it is a collective), in the same order.
 class communicator {
  public:
+  /// Duplicates `parent` (collective over its ranks). `timeout` bounds setup and each collective
+  /// (timeout_error when exceeded); `opts`: reduction order, message size and the like (mpi::options).
   explicit communicator(MPI_Comm parent = MPI_COMM_WORLD,
                         std::chrono::milliseconds timeout = std::chrono::seconds(300), options opts = {})
       : engine_(dparallel::detail::mpi_engine::instance()),
@@ -130,15 +132,19 @@ class communicator {
     engine_->wake();
   }
 
+  /// This rank's index in the group, 0 .. size() - 1.
   [[nodiscard]] int rank() const noexcept { return state_->rank(); }
+  /// The number of ranks in the group.
   [[nodiscard]] int size() const noexcept { return state_->size(); }
 
+  /// Reduces `t` over every rank with `op`, in place; every rank receives the result.
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0};
     check_tensor(c, t, "t");
     check_reducible(c, t);
     return issue(c, t, {});
   }
+  /// Reduces `t` over every rank with `op` into rank `root`'s `t` (in place there).
   work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root};
     check_tensor(c, t, "t");
@@ -146,6 +152,7 @@ class communicator {
     check_root(c);
     return issue(c, t, {});
   }
+  /// Copies rank `root`'s `t` into `t` on every other rank.
   work broadcast(tensor_ref t, int root) {
     dparallel::detail::comm_call c{dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(),
                                    reduce_op::sum, root};
@@ -172,6 +179,7 @@ class communicator {
     check_blocks(c, in, out, "in", "out");
     return issue(c, out, in);
   }
+  /// Completes once every rank has issued its barrier.
   work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
 
   /// Fails every pending and future collective of every rank with a comm_error naming this rank
@@ -181,6 +189,7 @@ class communicator {
     engine_->wake();
   }
 
+  /// The time limit of each collective issued from now on.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout(); }
   /// Applies to the collectives issued after the call.
   void set_timeout(std::chrono::milliseconds t) {
@@ -193,6 +202,7 @@ class communicator {
   /// Blocks until every collective issued so far has finished (successfully or not).
   void drain() { state_->drain(); }
 
+  /// The options this communicator was made with.
   [[nodiscard]] options const& opts() const noexcept { return state_->opts(); }
 
  private:
