@@ -3,6 +3,8 @@
 //   mpi_fault kill <timeout_ms>     rank 1 kills itself (SIGKILL) in its 4th DDP step
 //   mpi_fault throw <timeout_ms>    rank 1's step function throws in its 4th DDP step
 //   mpi_fault missing <timeout_ms>  the last rank skips one all_reduce and then sleeps
+//   mpi_fault avg|count|kind <timeout_ms>  rank 1's third all_reduce differs from rank 0's (avg
+//                                  instead of sum, 999 instead of 1000 elements, a broadcast)
 // Every surviving rank prints the error it caught, with the rank the error names:
 //   mpi_fault: rank R: caught comm_error naming rank F: <message>
 #include "../models.hpp"
@@ -72,11 +74,23 @@ void missing_collective(dpl::process_group const& group) {
   }
 }
 
+/// Rank 1's third collective differs from the others' (issue 19: sum vs avg gave mixed data,
+/// 1000 vs 999 elements ended a rank through Open MPI's fatal handler, all_reduce vs broadcast
+/// hung one rank): every rank must fail with the same comm_error naming rank 1.
+void mismatched_collective(dpl::process_group const& group, std::string const& scenario) {
+  for (int k = 0; k < 5; ++k) {
+    bool const odd = group.rank() == 1 && k == 2;
+    std::vector<float> v(odd && scenario == "count" ? 999 : 1000, 1.0f);
+    if (odd && scenario == "kind") group.broadcast(dpl::view(v), 0).wait();
+    else group.all_reduce(dpl::view(v), odd && scenario == "avg" ? dpl::reduce_op::avg : dpl::reduce_op::sum).wait();
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing <timeout_ms>\n");
+    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|avg|count|kind <timeout_ms>\n");
     return 2;
   }
   std::string const scenario = argv[1];
@@ -87,6 +101,7 @@ int main(int argc, char** argv) {
         {.timeout = timeout}, {.probe_window = std::chrono::seconds(1), .exit_grace = std::chrono::seconds(3)});
     rank = group.rank();
     if (scenario == "missing") missing_collective(group);
+    else if (scenario == "avg" || scenario == "count" || scenario == "kind") mismatched_collective(group, scenario);
     else ddp_training(group, scenario);
     std::printf("mpi_fault: rank %d: finished without error\n", rank);
     return 0;

@@ -241,6 +241,20 @@ ddp_run train_ddp(dpl::process_group const& group, bool hook, bool many_buckets)
   return out;
 }
 
+/// The independent reference of train_ddp: one model (rank 0's initial parameters, which DDP
+/// broadcasts) trained on the union of the ranks' samples, the gradient the mean over all of them
+/// (equal shards: the average of the ranks' means), with no communicator and no DDP involved.
+std::vector<double> train_one_device(int world, bool hook) {
+  model m({3, 5, 1, 8, 2, 4}, 100);
+  for (int step = 0; step < 5; ++step) {
+    auto const data = test::dataset<float>::make(6 * static_cast<std::size_t>(world), m.dim,
+                                                 static_cast<std::uint64_t>(step + 10 * hook), false);
+    m.forward_backward(data.all());
+    m.sgd(0.05f);
+  }
+  return test::flat(m, false);
+}
+
 }  // namespace
 
 // =================================================================================================
@@ -322,6 +336,8 @@ TEST_CASE("mpi: DDP over N processes gives the parameters of DDP over N thread r
       auto const a = train_ddp(g, hook, many_buckets);
       auto const b = train_ddp(g, hook, many_buckets);
       CHECK(a.params == ref[static_cast<std::size_t>(rank)].params);  // bitwise: the same reduction order
+      // Both runs above are dparallel's DDP: a wrong average would pass that comparison.
+      CHECK(test::rel_error(a.params, train_one_device(world, hook)) <= 1e-5);
       CHECK(a.hashes == ref[static_cast<std::size_t>(rank)].hashes);  // after every step
       CHECK(std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(double)) == 0);  // run to run
       // Replicas identical across ranks after every step.
@@ -344,6 +360,7 @@ TEST_CASE("mpi: DDP with MPI's native reduction stays within 1e-6 of thread-rank
   auto const b = train_ddp(g, true, true);
   INFO("rank " << rank << " of " << world);
   CHECK(test::rel_error(a.params, ref[static_cast<std::size_t>(rank)].params) <= 1e-6);
+  CHECK(test::rel_error(a.params, train_one_device(world, true)) <= 1e-5);
   CHECK(a.params == b.params);
   for (auto h : a.hashes) {
     auto const all = gather_all(g, static_cast<std::int64_t>(h));

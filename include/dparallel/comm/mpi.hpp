@@ -51,7 +51,14 @@
 //    many collectives it has issued, what it called as that number); the error names the rank
 //    that did not answer (dead or stuck), did not call the collective, or called another one, and
 //    is sent to every peer as an ABORT notice;
-//  - MPI errors (MPI_ERRORS_RETURN on dparallel's communicators) fail the group the same way.
+//  - mismatched collectives (another operation, dtype, element count, reduce op or root on some
+//    rank) never reach MPI: each collective starts with an all_gather of every rank's descriptor
+//    of it (options::check_collectives, on by default: one 64-byte MPI_Iallgather per collective,
+//    which also serves as the barrier), and when they differ every rank fails at once with the
+//    same comm_error naming the rank at fault and what each rank called (nothing is in flight,
+//    so MPI is finalised normally at exit);
+//  - MPI errors (MPI_ERRORS_RETURN on dparallel's communicators, and on MPI_COMM_WORLD when
+//    dparallel initialises MPI) fail the group the same way.
 // So a wait returns or throws at most timeout + options::probe_window after its collective
 // started (collectives start one after the other, each when the previous one finished).
 // A failed group stays failed. A process whose group failed with a collective still in flight

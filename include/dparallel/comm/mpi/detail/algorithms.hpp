@@ -86,8 +86,27 @@ inline void build_mpi_steps(mpi_running& r, int me, int n, MPI_Comm comm, mpi::o
   r.d2.assign(un, 0);
   auto const slice = [un](std::size_t len, std::size_t j) { return len * j / un; };
 
+  // First step: every rank gathers every rank's descriptor of this collective and compares them,
+  // so that mismatched calls never reach MPI (where they give mixed data, MPI_ERR_TRUNCATE or a
+  // hang); every rank sees the same descriptors and reaches the same verdict.
+  if (opts.check_collectives) {
+    r.fp_mine = desync_fingerprint::encode(r.task.seq, c);
+    r.fp_all.assign(un * desync_fingerprint::words, 0);
+    r.steps.push_back({[comm](mpi_running& x, MPI_Request* q) {
+                         constexpr int w = static_cast<int>(desync_fingerprint::words);
+                         return MPI_Iallgather(x.fp_mine.data(), w, MPI_INT64_T, x.fp_all.data(), w, MPI_INT64_T,
+                                               comm, q);
+                       },
+                       [n](mpi_running& x) {
+                         int culprit = 0;
+                         if (auto msg = desync_report(x.fp_all, n, x.task.seq, culprit))
+                           x.mismatch.emplace(culprit, std::move(*msg));
+                       }});
+  }
+
   switch (c.kind) {
-    case comm_kind::barrier:
+    case comm_kind::barrier:  // the descriptor all_gather already waits for every rank
+      if (opts.check_collectives) return;
       r.steps.push_back({[comm](mpi_running&, MPI_Request* q) { return MPI_Ibarrier(comm, q); }, {}});
       return;
 

@@ -13,6 +13,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/desync.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
@@ -22,6 +23,7 @@
 #include <dparallel/core/tensor_view.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <cstddef>
@@ -29,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -57,6 +60,12 @@ struct options {
   /// At exit, how long a rank whose group failed waits for its peers' EXIT messages before
   /// ending the job with MPI_Abort.
   std::chrono::milliseconds exit_grace = std::chrono::seconds(10);
+  /// Before each collective the ranks exchange a descriptor of it (operation, dtype, element
+  /// count, reduce op, root, sequence number: one MPI_Iallgather of 64 bytes per rank); when the
+  /// descriptors differ no rank runs it and every rank's wait fails with a comm_error naming the
+  /// rank at fault and what each rank called. false skips the exchange: a mismatched collective
+  /// is then undefined (wrong data, an MPI error or a timeout).
+  bool check_collectives = true;
 };
 
 }  // namespace mpi
@@ -151,6 +160,11 @@ struct mpi_running {
   std::unique_ptr<std::byte[]> staging;
   std::size_t staging_bytes = 0;
   std::vector<int> c1, d1, c2, d2;  // counts and displacements of the step in flight
+  // The descriptor check (options::check_collectives): this rank's fingerprint, every rank's,
+  // and, when they differ, the rank at fault and the report (set by the check's finish).
+  std::array<std::int64_t, desync_fingerprint::words> fp_mine{};
+  std::vector<std::int64_t> fp_all;
+  std::optional<std::pair<int, std::string>> mismatch;
 };
 
 /// Why an MPI group failed (the rank at fault, timeout or not, the reason).

@@ -40,6 +40,10 @@ class mpi_engine {
       int const rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
       if (rc != MPI_SUCCESS) throw error("dparallel: mpi: MPI_Init_thread failed: " + mpi_error_text(rc));
       initialized_here_ = true;
+      // Errors MPI raises on MPI_COMM_WORLD (Open MPI 4.1 reports some failures of requests on
+      // dparallel's own communicators there) must reach dparallel as codes, never end the rank
+      // through the default fatal handler. A program that initialised MPI keeps its own handler.
+      MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     } else {
       MPI_Query_thread(&provided);
     }

@@ -314,6 +314,11 @@ class mpi_comm_state final : public mpi_control_channel {
       if (flag == 0) break;
       r.in_flight = false;
       if (r.steps[r.next].finish) r.steps[r.next].finish(r);
+      if (r.mismatch) {  // the descriptor check failed on every rank alike: nothing is in flight
+        auto [culprit, why] = std::move(*r.mismatch);
+        fail({culprit, false, std::move(why)}, true);
+        return true;
+      }
       ++r.next;
       progressed = true;
     }
