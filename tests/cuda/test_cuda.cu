@@ -197,6 +197,41 @@ TEST_CASE("CUDA weighted_sum specialised on 1-8 sources and the generic loop agr
   }
 }
 
+TEST_CASE("CUDA weighted_sums batches many sums into few launches, each equal to the host's", "[cuda][kernels]") {
+  // More sums than one launch's table holds (so it is refilled), of lengths and alignments that
+  // mix 16-byte packs, tails and misaligned entries, as the slices of a DP reduce do.
+  dpl::device const d{dpl::device_kind::cuda, 0, 0};
+  constexpr std::size_t m = 3, sums = 300;
+  test::rng g{42};
+  std::vector<std::size_t> off{0}, len;
+  for (std::size_t j = 0; j < sums; ++j) {
+    len.push_back(j % 7 == 0 ? 0 : 1 + (j * 13) % 29);
+    off.push_back(off.back() + len.back() + j % 3);  // gaps: some slices start off 16-byte alignment
+  }
+  std::vector<std::vector<double>> hs(m, std::vector<double>(off.back()));
+  std::vector<double> w;
+  for (auto& v : hs)
+    for (auto& x : v) x = g.uniform() * 2 - 1;
+  for (std::size_t k = 0; k < m; ++k) w.push_back(g.uniform());
+  std::vector<dpl::cuda::device_buffer<double>> ds;
+  for (auto& v : hs) ds.push_back(upload(v));
+  dpl::cuda::device_buffer<double> dout(off.back(), d);
+  std::vector<double> expect(off.back(), 0.0);
+  std::vector<dpl::tensor_ref> dst, src;
+  for (std::size_t j = 0; j < sums; ++j) {
+    dst.push_back(dpl::tensor_ref(dout.data() + off[j], len[j], dpl::dtype::f64, d));
+    std::vector<dpl::tensor_ref> hsrc;
+    for (std::size_t k = 0; k < m; ++k) {
+      src.push_back(dpl::tensor_ref(ds[k].data() + off[j], len[j], dpl::dtype::f64, d));
+      hsrc.push_back(dpl::tensor_ref(hs[k].data() + off[j], len[j], dpl::dtype::f64));
+    }
+    dpl::host::weighted_sum(dpl::tensor_ref(expect.data() + off[j], len[j], dpl::dtype::f64), hsrc, w);
+  }
+  dpl::cuda::zero(nullptr, d, dout.view());
+  dpl::cuda::weighted_sums(nullptr, d, dst, src, w);
+  CHECK(download(dout) == expect);  // bitwise, gaps untouched (zero)
+}
+
 TEST_CASE("CUDA kernels equal the host kernels bit for bit (float and double) at any length and alignment",
           "[cuda][kernels]") {
   dpl::device const d{dpl::device_kind::cuda, 0, 0};

@@ -5,6 +5,7 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/partition.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <iostream>
@@ -51,6 +52,12 @@ struct options {
   /// the same way: the wrapper checks that every rank made the same buckets and raises an error
   /// on every rank otherwise. Results are bitwise those of the default (copying) mode.
   bool gradient_as_bucket_view = false;
+
+  // --- Failure ---
+  /// How long a collective the wrapper launches between its devices may take before the wrapper
+  /// gives up on it: nccl::dp's grouped broadcast and reduce are then aborted (their NCCL
+  /// communicators end for good) and the step fails with a timeout_error naming the device(s).
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
 
   // --- Diagnostics ---
   /// Where the wrapper's warnings go, one line each (no trailing newline); at present the one

@@ -7,7 +7,10 @@
 //  - reduce: one group of ncclReduce with a pre-multiplying sum (ncclRedOpCreatePreMulSum: each
 //    replica's gradient times its shard's weight, inside NCCL's kernel; a replica without a shard
 //    contributes zeros) lands sum_i w_i * g_i in the master's gradients.
-// Both policies share one clique (one communicator per device); a failed group aborts it.
+// Both policies share one clique (one communicator per device). A watchdog follows each group:
+// when it fails, or has not completed within options::timeout (a peer GPU hung), every
+// communicator is aborted (ncclCommAbort) and the step fails with an error naming the device(s)
+// and the cause; later steps fail at once (construct a new wrapper).
 // When two logical devices share a GPU (NCCL refuses two ranks on one GPU), or there is a single
 // device, they fall back to the copy/kernel path of policy::replicate_each_step and
 // policy::reduce_to_master. NCCL's summation order is fixed for a given set of GPUs, so results
@@ -18,7 +21,10 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/backend.hpp>
+#include <dparallel/comm/detail/clique_watch.hpp>
+#include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/nccl.hpp>
+#include <dparallel/comm/work.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/parallel.hpp>
 #include <dparallel/policy/reduce.hpp>
@@ -28,7 +34,9 @@
 #include <cuda_fp16.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstddef>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <memory>
@@ -41,90 +49,172 @@ namespace nccl {
 namespace dp_detail {
 
 /// One communicator per device of a DataParallel wrapper, device i being rank i; shared by the
-/// wrapper's replicate and reduce policies (one clique, not two). A failed group launch, or an
-/// error NCCL reports asynchronously, aborts every communicator (ncclCommAbort): later steps
-/// fail at once with the first failure's reason instead of launching on a broken clique.
+/// wrapper's replicate and reduce policies (one clique, not two). A watchdog (the engine-neutral
+/// collective_poller of comm/detail/progress.hpp, through clique_driver) follows every launched
+/// group: it polls an event recorded after the group on each device's stream and
+/// ncclCommGetAsyncError of each communicator, and when a group fails, or has not completed
+/// within options::timeout, it aborts every communicator (ncclCommAbort: the only way to end a
+/// hung NCCL collective; the communicators are unusable afterwards) and fails the group's work
+/// with an error naming the device(s) and the cause. A group whose launch fails midway is
+/// aborted the same way. Later groups fail at once with the first failure's reason.
 class device_comms {
  public:
-  explicit device_comms(std::vector<device> const& devs) : devs_(devs) {
+  device_comms(std::vector<device> const& devs, std::chrono::milliseconds timeout)
+      : devs_(devs), timeout_(timeout), members_{this}, driver_{members_} {
     std::vector<int> ordinals;
     for (auto const& d : devs) ordinals.push_back(d.index);
     comms_.assign(devs.size(), nullptr);
     check(ncclCommInitAll(comms_.data(), static_cast<int>(comms_.size()), ordinals.data()), "ncclCommInitAll", 0);
+    poller_ = std::make_unique<dparallel::detail::collective_poller<watch_driver>>(0, driver_);
   }
   device_comms(device_comms const&) = delete;
   device_comms& operator=(device_comms const&) = delete;
   ~device_comms() {
-    if (!failure_.empty()) return;  // aborted: ncclCommAbort freed them
+    poller_->stop();  // each pending group ends at its deadline at the latest
+    if (poller_->aborted()) return;  // ncclCommAbort freed them
     for (auto c : comms_)
       if (c != nullptr) (void)ncclCommDestroy(c);
   }
   [[nodiscard]] ncclComm_t operator[](std::size_t i) const { return comms_[i]; }
   [[nodiscard]] std::size_t size() const noexcept { return comms_.size(); }
 
-  /// Runs `launch()` (NCCL calls on these communicators) between ncclGroupStart and
-  /// ncclGroupEnd. Everything that can be checked is checked by the caller before (so no group
-  /// is left half-filled by an argument error); if a call or ncclGroupEnd still fails, the
-  /// clique is aborted (NCCL: after an error nothing can be assumed about the enqueued
-  /// operations; ncclCommAbort is the way out) and the error names `what`.
-  template <class F>
-  void run_group(char const* what, F&& launch) {
-    std::lock_guard lock(m_);
-    healthy_or_throw(what);
-    try {
-      check(ncclGroupStart(), "ncclGroupStart", 0);
+  /// Runs `held = prepare()` (NCCL objects the group uses, e.g. reduction operators), then
+  /// `launch(held)` (NCCL calls on these communicators, call i on `streams[i]`) between
+  /// ncclGroupStart and ncclGroupEnd, destroys `held`, and records each stream's completion event
+  /// for the watchdog; the group's work is kept until wait_all(). All of it runs under the
+  /// poller's launch mutex, so never concurrently with the watchdog's ncclCommAbort (nothing may
+  /// use a communicator while, or after, it is aborted), and only while the clique is healthy.
+  /// Everything that can be checked is checked by the caller before (so no group is left
+  /// half-filled by an argument error); if a call or ncclGroupEnd still fails, the clique is
+  /// aborted (NCCL: after an error nothing can be assumed about the enqueued operations) and the
+  /// error names `what`.
+  template <class Prepare, class Launch>
+  void run_group(std::string const& what, std::vector<cudaStream_t> const& streams, Prepare&& prepare,
+                 Launch&& launch) {
+    std::string launch_failure;
+    work w = poller_->launch(describe(what), timeout_, [&] {
       try {
-        launch();
-      } catch (...) {
-        (void)ncclGroupEnd();
+        auto held = prepare();
+        check(ncclGroupStart(), "ncclGroupStart", 0);
+        try {
+          launch(held);
+        } catch (...) {
+          (void)ncclGroupEnd();
+          throw;
+        }
+        check(ncclGroupEnd(), "ncclGroupEnd", 0);
+        return record(streams);
+      } catch (std::exception const& e) {
+        launch_failure = e.what();
         throw;
       }
-      check(ncclGroupEnd(), what, 0);
-    } catch (std::exception const& e) {
-      abort_all(std::string(what) + ": " + e.what());
-      throw;
+    });
+    if (!launch_failure.empty()) poller_->abort("nccl::dp: launching " + what + " failed: " + launch_failure);
+    if (w.ready()) {  // failed at launch (or the clique had failed before): fail this work now
+      if (auto e = w.wait_nothrow()) std::rethrow_exception(e);
+      return;
     }
+    std::lock_guard lock(m_);
+    pending_.push_back(std::move(w));
+  }
+
+  /// Waits for every group launched so far; throws the first failure (a timeout_error or
+  /// comm_error naming the device(s)), the clique being aborted by then.
+  void wait_all() {
+    std::vector<work> ws;
+    {
+      std::lock_guard lock(m_);
+      ws.swap(pending_);
+    }
+    std::exception_ptr first;
+    for (auto const& w : ws)
+      if (auto e = w.wait_nothrow(); e && !first) first = e;
+    if (first) std::rethrow_exception(first);
   }
 
  private:
-  // The watchdog's check, before each group: a sticky failure, or an asynchronous NCCL error.
-  void healthy_or_throw(char const* what) {
-    for (std::size_t i = 0; failure_.empty() && i < comms_.size(); ++i) {
+  // The clique as clique_driver sees it: member i is device i's communicator, its token the
+  // event recorded after the group on device i's stream.
+  struct members {
+    using token = cudaEvent_t;
+    device_comms* c;
+    [[nodiscard]] std::size_t size() const { return c->comms_.size(); }
+    [[nodiscard]] std::string name(std::size_t i) const {
+      return "device " + std::to_string(i) + " (" + to_string(c->devs_[i]) + ")";
+    }
+    dparallel::detail::poll_result poll(std::size_t, cudaEvent_t& e) {
+      cudaError_t const q = cudaEventQuery(e);
+      if (q == cudaSuccess) return dparallel::detail::poll_result::done();
+      (void)cudaGetLastError();
+      if (q == cudaErrorNotReady) return dparallel::detail::poll_result::pending();
+      return dparallel::detail::poll_result::failed(std::string("the GPU reported ") + cudaGetErrorName(q) + ": " +
+                                                    cudaGetErrorString(q));
+    }
+    // NCCL reports errors of collectives already launched only through ncclCommGetAsyncError;
+    // after one, the communicator must be aborted (NCCL API, ncclCommGetAsyncError).
+    std::string async_error(std::size_t i) {
       ncclResult_t r = ncclSuccess;
-      if (ncclCommGetAsyncError(comms_[i], &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress)
-        abort_all("NCCL reported " + std::string(ncclGetErrorString(r)) + " on device " + std::to_string(i) + " (" +
-                  to_string(devs_[i]) + ")");
+      if (ncclCommGetAsyncError(c->comms_[i], &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
+      return "NCCL reported " + std::string(ncclGetErrorString(r));
     }
-    if (!failure_.empty())
-      throw comm_error(0, "dparallel: nccl::dp: cannot launch " + std::string(what) +
-                              ": the NCCL communicators of this DataParallel wrapper were aborted after an earlier "
-                              "failure (" + failure_ + "); construct a new wrapper");
+    void release(std::size_t, cudaEvent_t& e) noexcept { (void)cudaEventDestroy(e); }
+    // ncclCommAbort with the communicator's GPU current; the poller calls it before it releases
+    // the events of the failed groups.
+    void abort(std::size_t i) noexcept {
+      try {
+        cuda::device_guard g(c->devs_[i].index);
+        (void)ncclCommAbort(c->comms_[i]);
+      } catch (...) {
+        (void)ncclCommAbort(c->comms_[i]);
+      }
+    }
+  };
+  using watch_driver = dparallel::detail::clique_driver<members>;
+
+  [[nodiscard]] std::string describe(std::string const& what) const {
+    std::string s = "nccl::dp " + what + " over";
+    for (auto const& d : devs_) s += " " + to_string(d);
+    return s;
   }
-  void abort_all(std::string why) {
-    if (!failure_.empty()) return;
-    failure_ = std::move(why);
-    for (std::size_t i = 0; i < comms_.size(); ++i) {
-      cuda::device_guard g(devs_[i].index);
-      (void)ncclCommAbort(comms_[i]);
+  // One event per device, recorded on its stream after the group's calls (an event must be
+  // recorded on a stream of the device it was created on: each is made with that device current).
+  std::vector<cudaEvent_t> record(std::vector<cudaStream_t> const& streams) {
+    std::vector<cudaEvent_t> events(streams.size(), nullptr);
+    try {
+      for (std::size_t i = 0; i < streams.size(); ++i) {
+        cuda::device_guard g(devs_[i].index);
+        cuda::check(cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming), "cudaEventCreateWithFlags");
+        cuda::check(cudaEventRecord(events[i], streams[i]), "cudaEventRecord");
+      }
+    } catch (...) {
+      for (auto e : events)
+        if (e != nullptr) (void)cudaEventDestroy(e);
+      throw;
     }
+    return events;
   }
 
   std::vector<device> devs_;
+  std::chrono::milliseconds timeout_;
   std::vector<ncclComm_t> comms_;
+  members members_;
+  watch_driver driver_;
   std::mutex m_;
-  std::string failure_;  // non-empty once aborted
+  std::vector<work> pending_;  // groups launched since the last wait_all()
+  std::unique_ptr<dparallel::detail::collective_poller<watch_driver>> poller_;  // last: its thread uses the others
 };
 
 /// The clique of the DataParallel wrapper whose replica set is `set`: made by the first policy
 /// that asks, found by the second.
-inline std::shared_ptr<device_comms> clique_for(void const* set, std::vector<device> const& devs) {
+inline std::shared_ptr<device_comms> clique_for(void const* set, std::vector<device> const& devs,
+                                               std::chrono::milliseconds timeout) {
   static std::mutex m;
   static std::map<void const*, std::weak_ptr<device_comms>> cliques;
   std::lock_guard lock(m);
   std::erase_if(cliques, [](auto const& kv) { return kv.second.expired(); });
   auto& slot = cliques[set];
   if (auto c = slot.lock()) return c;
-  auto c = std::make_shared<device_comms>(devs);
+  auto c = std::make_shared<device_comms>(devs, timeout);
   slot = c;
   return c;
 }
@@ -190,7 +280,7 @@ struct with_comms {
   template <class Set>
   void on_construct(Set& s) {
     require_cuda<Set>();
-    if (distinct_gpus(s.devices)) comms = clique_for(&s, s.devices);
+    if (distinct_gpus(s.devices)) comms = clique_for(&s, s.devices, s.opts.timeout);
     fallback.on_construct(s);
   }
 };
@@ -222,7 +312,9 @@ struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> 
                    std::to_string(src.size()) + " x " + std::string(name_of(src.dtype()));
           });
         }
-      c->run_group("ncclGroupEnd (replicate)", [&] {
+      std::vector<cudaStream_t> streams;
+      for (std::size_t i = 0; i < s.size(); ++i) streams.push_back(s.streams[i]->native());
+      c->run_group("broadcast (replicate)", streams, [] { return 0; }, [&](int) {
         for (std::size_t i = 0; i < s.size(); ++i) {
           auto const& params = s.params[i];
           auto const& bufs = s.bufs[i];
@@ -271,13 +363,26 @@ struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
       }));
     }
     for (auto const& e : zeroed) s.streams[0]->wait(e);
+    // The group below enqueues ncclReduce on every device's stream from stream 0's thread: it
+    // must come after each device's step function launched its backward on that stream, so
+    // stream 0 waits for every step function's launches first (wait() needs the CUDA event,
+    // which exists once the work launched).
+    for (std::size_t i = 1; i < s.size(); ++i) s.streams[0]->wait(s.compute_done[i]);
     auto const launched = s.streams[0]->enqueue([&s, c = comms] {
       // Operators made, and every argument checked, before ncclGroupStart: no partial group.
-      std::vector<std::vector<std::unique_ptr<dp_detail::premul_sum>>> ops(s.size());
-      for (std::size_t i = 0; i < s.size(); ++i)
-        for (auto const& g : s.grads[i])
-          ops[i].push_back(std::make_unique<dp_detail::premul_sum>((*c)[i], g.dtype(), s.active(i) ? s.weight(i) : 0.0));
-      c->run_group("ncclGroupEnd (reduce)", [&] {
+      // They are made and destroyed inside run_group (never on an aborted communicator), the
+      // destruction after ncclGroupEnd returned.
+      using op_table = std::vector<std::vector<std::unique_ptr<dp_detail::premul_sum>>>;
+      auto const make_ops = [&] {
+        op_table ops(s.size());
+        for (std::size_t i = 0; i < s.size(); ++i)
+          for (auto const& g : s.grads[i])
+            ops[i].push_back(std::make_unique<dp_detail::premul_sum>((*c)[i], g.dtype(), s.active(i) ? s.weight(i) : 0.0));
+        return ops;
+      };
+      std::vector<cudaStream_t> streams;
+      for (std::size_t i = 0; i < s.size(); ++i) streams.push_back(s.streams[i]->native());
+      c->run_group("reduce", streams, make_ops, [&](op_table const& ops) {
         for (std::size_t i = 0; i < s.size(); ++i)
           for (std::size_t k = 0; k < s.grads[i].size(); ++k) {
             auto const& g = s.grads[i][k];
@@ -287,6 +392,9 @@ struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
                   "ncclReduce", static_cast<int>(i));
           }
       });
+      // The watchdog's verdict on this step's groups (the broadcast and this reduce): a hung or
+      // failed group was aborted by now and fails the step, naming the device(s) and the cause.
+      c->wait_all();
     });
     for (std::size_t i = 1; i < s.size(); ++i) s.streams[i]->wait(launched);
   }

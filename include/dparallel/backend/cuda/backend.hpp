@@ -93,7 +93,6 @@ inline tensor_ref stage_from_peer(stream& s, tensor_ref v, std::byte* at) {
 inline void staged_weighted_sums(stream& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
                                  std::span<double const> w) {
   int const here = s.device_index();
-  std::size_t const m = w.size();
   thread_local std::vector<tensor_ref> views, local;
   views.assign(dst.begin(), dst.end());
   views.insert(views.end(), srcs.begin(), srcs.end());
@@ -102,11 +101,14 @@ inline void staged_weighted_sums(stream& s, std::span<tensor_ref const> dst, std
   local.assign(views.begin(), views.end());
   for (std::size_t i = dst.size(); i < views.size(); ++i)
     if (plan.offset[i] != staging_plan::npos) local[i] = stage_from_peer(s, views[i], base + plan.offset[i]);
-  for (std::size_t j = 0; j < dst.size(); ++j) {
+  for (std::size_t j = 0; j < dst.size(); ++j)
     if (plan.offset[j] != staging_plan::npos)
       local[j] = tensor_ref(base + plan.offset[j], dst[j].size(), dst[j].dtype(), s.logical_device());
-    cuda::weighted_sum(s.native(), s.logical_device(), local[j],
-                       std::span<tensor_ref const>(local).subspan(dst.size() + j * m, m), w);
+  // Every sum in one batched launch (cuda::weighted_sums), not one launch per gradient; then the
+  // staged destinations go back, on the same stream (after the kernel).
+  std::span<tensor_ref const> const all(local);
+  cuda::weighted_sums(s.native(), s.logical_device(), all.first(dst.size()), all.subspan(dst.size()), w);
+  for (std::size_t j = 0; j < dst.size(); ++j) {
     if (plan.offset[j] != staging_plan::npos)
       check(cudaMemcpyPeerAsync(dst[j].data(), dst[j].device().index, local[j].data(), here, dst[j].size_bytes(),
                                 s.native()),

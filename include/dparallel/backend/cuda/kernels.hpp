@@ -9,8 +9,10 @@
 // (__fmul_rn / __dmul_rn) so the compiler cannot fuse them into FMAs: the result does not depend
 // on which device computes it, and repeats bit for bit. For up to 8 sources the kernel is
 // specialised on the count (the summation tree is unrolled at compile time, so the partial sums
-// live in registers, not in a dynamically indexed local array) and reads 16-byte packs when every
-// pointer allows it; more sources (up to 32) take the generic loop. Every view must be memory of
+// live in registers, not in a dynamically indexed local array), reads 16-byte packs when every
+// pointer allows it, and is batched: weighted_sums runs many sums with the same weights (every
+// gradient slice a device reduces) in one launch over a table passed as the kernel's parameters
+// (backend/detail/sum_batch.hpp). More sources (up to 32) take the generic loop, one launch per sum. Every view must be memory of
 // the launching GPU: cuda::backend stages other GPUs' views first (backend/cuda/topology.hpp).
 //
 // Compile with nvcc (this header defines device code).
@@ -19,6 +21,7 @@
 #include <dparallel/backend/cuda/device.hpp>
 #include <dparallel/backend/cuda/dtype.hpp>
 #include <dparallel/backend/cuda/error.hpp>
+#include <dparallel/backend/detail/sum_batch.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -153,18 +156,13 @@ __device__ inline A fold(A const* t) {
   else return add_rn(balanced<A, First, P>(t), fold<A, First + P, N - P>(t));
 }
 
-/// The arguments of the specialised kernel: N sources, passed by value in the parameter block.
+/// The batched kernel: every entry of table `b` (backend/detail/sum_batch.hpp), each element's
+/// sum unrolled for N sources. One grid-stride loop over the table's units: a unit is a 16-byte
+/// pack of an entry whose pointers are all 16-byte aligned, or a single element. Each element
+/// is computed by one thread, read before it is written, so a destination may be one of its own
+/// entry's sources (entries must not overlap otherwise).
 template <class T, unsigned N>
-struct weighted_sum_args {
-  T* dst;
-  T const* src[N];
-  typename acc<T>::type w[N];
-};
-
-/// dst = sum_k w[k] * src[k] over n elements; the first `packs` 16-byte packs are read as packs
-/// (every pointer is 16-byte aligned then), the rest one element at a time. Grid-stride loops.
-template <class T, unsigned N>
-__global__ void weighted_sum_kernel(weighted_sum_args<T, N> a, std::size_t n, std::size_t packs) {
+__global__ void weighted_sums_kernel(dparallel::detail::sum_batch<T, typename acc<T>::type, N> b) {
   using A = typename acc<T>::type;
   constexpr unsigned V = 16 / sizeof(T);
   struct alignas(16) pack {
@@ -172,71 +170,94 @@ __global__ void weighted_sum_kernel(weighted_sum_args<T, N> a, std::size_t n, st
   };
   std::size_t const stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   std::size_t const first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (std::size_t p = first; p < packs; p += stride) {
-    pack in[N];
+  std::size_t const units = b.start[b.count];
+  for (std::size_t u = first; u < units; u += stride) {
+    unsigned const e = dparallel::detail::locate_unit(b.start, b.count, u);
+    std::size_t const local = u - b.start[e];
+    if (local < b.packs[e]) {
+      pack in[N];
 #pragma unroll
-    for (unsigned k = 0; k < N; ++k) in[k] = reinterpret_cast<pack const*>(a.src[k])[p];
-    pack out;
+      for (unsigned k = 0; k < N; ++k) in[k] = reinterpret_cast<pack const*>(b.src[e][k])[local];
+      pack out;
 #pragma unroll
-    for (unsigned e = 0; e < V; ++e) {
+      for (unsigned v = 0; v < V; ++v) {
+        A t[N];
+#pragma unroll
+        for (unsigned k = 0; k < N; ++k) t[k] = mul_rn(b.w[k], load<A>(in[k].v[v]));
+        out.v[v] = store<T>(fold<A, 0, N>(t));
+      }
+      reinterpret_cast<pack*>(b.dst[e])[local] = out;
+    } else {
+      std::size_t const i = b.packs[e] * V + (local - b.packs[e]);
       A t[N];
 #pragma unroll
-      for (unsigned k = 0; k < N; ++k) t[k] = mul_rn(a.w[k], load<A>(in[k].v[e]));
-      out.v[e] = store<T>(fold<A, 0, N>(t));
+      for (unsigned k = 0; k < N; ++k) t[k] = mul_rn(b.w[k], load<A>(b.src[e][k][i]));
+      b.dst[e][i] = store<T>(fold<A, 0, N>(t));
     }
-    reinterpret_cast<pack*>(a.dst)[p] = out;
-  }
-  for (std::size_t i = packs * V + first; i < n; i += stride) {
-    A t[N];
-#pragma unroll
-    for (unsigned k = 0; k < N; ++k) t[k] = mul_rn(a.w[k], load<A>(a.src[k][i]));
-    a.dst[i] = store<T>(fold<A, 0, N>(t));
   }
 }
 
-/// Launches the specialised kernel for N sources on stream `s`.
+/// Launches the batched kernel over table `b` on stream `s` (nothing when it has no units).
 template <class T, unsigned N>
-void launch_weighted_sum(cudaStream_t s, T* dst, T const* const* src, typename acc<T>::type const* w,
-                         std::size_t n) {
-  weighted_sum_args<T, N> a{};
-  a.dst = dst;
-  bool aligned = reinterpret_cast<std::uintptr_t>(dst) % 16 == 0;
-  for (unsigned k = 0; k < N; ++k) {
-    a.src[k] = src[k];
-    a.w[k] = w[k];
-    aligned = aligned && reinterpret_cast<std::uintptr_t>(src[k]) % 16 == 0;
-  }
-  constexpr std::size_t V = 16 / sizeof(T);
-  std::size_t const packs = aligned ? n / V : 0;
-  std::size_t const units = packs + (n - packs * V);
+void launch_sums(cudaStream_t s, dparallel::detail::sum_batch<T, typename acc<T>::type, N> const& b) {
+  std::size_t const units = b.units();
+  if (units == 0) return;
   constexpr unsigned threads = 256;
   auto const blocks = static_cast<unsigned>(std::min<std::size_t>((units + threads - 1) / threads, 4096));
-  weighted_sum_kernel<T, N><<<blocks, threads, 0, s>>>(a, n, packs);
+  weighted_sums_kernel<T, N><<<blocks, threads, 0, s>>>(b);
 }
 
-/// Dispatches on the source count: 1..8 to the specialised kernel, more to the generic loop.
+/// dst[j] = sum_k w[k] * src[j * N + k] for every j, in as few launches as the table's capacity
+/// allows (one for a typical model's gradients).
+template <class T, unsigned N>
+void batched_sums(cudaStream_t s, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
+                  std::span<double const> weights) {
+  using A = typename acc<T>::type;
+  A w[N];
+  for (unsigned k = 0; k < N; ++k) w[k] = static_cast<A>(weights[k]);
+  dparallel::detail::sum_batch<T, A, N> b{};
+  b.reset(w);
+  for (std::size_t j = 0; j < dst.size(); ++j) {
+    if (dst[j].size() == 0) continue;
+    T const* src[N];
+    for (unsigned k = 0; k < N; ++k) src[k] = static_cast<T const*>(srcs[j * N + k].data());
+    T* const d = static_cast<T*>(dst[j].data());
+    if (b.add(d, src, dst[j].size())) continue;
+    launch_sums<T, N>(s, b);
+    b.reset(w);
+    (void)b.add(d, src, dst[j].size());
+  }
+  launch_sums<T, N>(s, b);
+}
+
+/// Dispatches on the source count m: 1..8 to the batched kernel, more (up to 32) to the generic
+/// loop, one launch per sum.
 template <class T>
-void weighted_sum_any(cudaStream_t s, T* dst, T const* const* src, typename acc<T>::type const* w, std::size_t count,
-                      std::size_t n) {
-  switch (count) {
-    case 1: launch_weighted_sum<T, 1>(s, dst, src, w, n); return;
-    case 2: launch_weighted_sum<T, 2>(s, dst, src, w, n); return;
-    case 3: launch_weighted_sum<T, 3>(s, dst, src, w, n); return;
-    case 4: launch_weighted_sum<T, 4>(s, dst, src, w, n); return;
-    case 5: launch_weighted_sum<T, 5>(s, dst, src, w, n); return;
-    case 6: launch_weighted_sum<T, 6>(s, dst, src, w, n); return;
-    case 7: launch_weighted_sum<T, 7>(s, dst, src, w, n); return;
-    case 8: launch_weighted_sum<T, 8>(s, dst, src, w, n); return;
+void weighted_sums_any(cudaStream_t s, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
+                       std::span<double const> w) {
+  switch (w.size()) {
+    case 1: batched_sums<T, 1>(s, dst, srcs, w); return;
+    case 2: batched_sums<T, 2>(s, dst, srcs, w); return;
+    case 3: batched_sums<T, 3>(s, dst, srcs, w); return;
+    case 4: batched_sums<T, 4>(s, dst, srcs, w); return;
+    case 5: batched_sums<T, 5>(s, dst, srcs, w); return;
+    case 6: batched_sums<T, 6>(s, dst, srcs, w); return;
+    case 7: batched_sums<T, 7>(s, dst, srcs, w); return;
+    case 8: batched_sums<T, 8>(s, dst, srcs, w); return;
     default: break;
   }
-  weighted_sum_op<T> op{};
-  op.dst = dst;
-  op.count = static_cast<unsigned>(count);
-  for (std::size_t k = 0; k < count; ++k) {
-    op.src[k] = src[k];
-    op.w[k] = w[k];
+  std::size_t const m = w.size();
+  for (std::size_t j = 0; j < dst.size(); ++j) {
+    if (dst[j].size() == 0) continue;
+    weighted_sum_op<T> op{};
+    op.dst = static_cast<T*>(dst[j].data());
+    op.count = static_cast<unsigned>(m);
+    for (std::size_t k = 0; k < m; ++k) {
+      op.src[k] = static_cast<T const*>(srcs[j * m + k].data());
+      op.w[k] = static_cast<typename acc<T>::type>(w[k]);
+    }
+    thrust::for_each_n(thrust::cuda::par_nosync.on(s), thrust::counting_iterator<std::size_t>(0), dst[j].size(), op);
   }
-  thrust::for_each_n(thrust::cuda::par_nosync.on(s), thrust::counting_iterator<std::size_t>(0), n, op);
 }
 
 /// Calls f(T{}) for the floating dtypes the CUDA backend computes with.
@@ -316,43 +337,53 @@ inline void add_scaled(cudaStream_t s, device at, tensor_ref dst, tensor_ref src
   check(cudaGetLastError(), "cuda::add_scaled", at);
 }
 
-/// dst = sum_k weights[k] * srcs[k], summed pairwise as host::weighted_sum does (dst may be one
-/// of the sources). Every view must be memory of `at`'s GPU (a lane of it or the GPU itself): a
-/// kernel may not touch another GPU's pool memory without cudaMemPoolSetAccess (see
-/// topology.hpp), so cuda::backend stages remote views into local buffers before calling this.
-inline void weighted_sum(cudaStream_t s, device at, tensor_ref dst, std::span<tensor_ref const> srcs,
-                         std::span<double const> weights) {
-  dparallel::detail::require(!srcs.empty() && srcs.size() == weights.size(),
-                             "cuda::weighted_sum: expected one weight per source and at least one source, found " +
-                                 std::to_string(srcs.size()) + " sources and " + std::to_string(weights.size()) +
-                                 " weights");
-  dparallel::detail::require(srcs.size() <= detail::max_sources,
-                             "cuda::weighted_sum: expected at most " + std::to_string(detail::max_sources) +
-                                 " sources, found " + std::to_string(srcs.size()));
-  for (auto const& x : srcs) detail::check_same(dst, x, "cuda::weighted_sum");
-  if (dst.size() == 0) return;
+/// For each j: dst[j] = sum_k weights[k] * srcs[j * m + k] (m = weights.size()), summed pairwise
+/// as host::weighted_sum does (dst[j] may be one of its own sources; the sums must not overlap
+/// otherwise). With up to 8 sources all the sums are one batched launch (a few for very many
+/// sums), which is how cuda::backend reduces every gradient slice of a device at once. Every view
+/// must be memory of `at`'s GPU (a lane of it or the GPU itself): a kernel may not touch another
+/// GPU's pool memory without cudaMemPoolSetAccess (see topology.hpp), so cuda::backend stages
+/// remote views into local buffers before calling this.
+inline void weighted_sums(cudaStream_t s, device at, std::span<tensor_ref const> dst, std::span<tensor_ref const> srcs,
+                          std::span<double const> weights) {
+  std::size_t const m = weights.size();
+  dparallel::detail::require(m != 0 && srcs.size() == dst.size() * m,
+                             "cuda::weighted_sum: expected one weight per source, at least one source, and as many "
+                             "sources for each destination, found " + std::to_string(weights.size()) + " weights and " +
+                                 std::to_string(srcs.size()) + " sources for " + std::to_string(dst.size()) +
+                                 " destination(s)");
+  dparallel::detail::require(m <= detail::max_sources, "cuda::weighted_sum: expected at most " +
+                                                           std::to_string(detail::max_sources) + " sources, found " +
+                                                           std::to_string(m));
+  if (dst.empty()) return;
   auto const local = [&](tensor_ref t) { return t.device().kind == device_kind::cuda && t.device().index == at.index; };
-  bool all_local = local(dst);
-  for (auto const& x : srcs) all_local = all_local && local(x);
-  dparallel::detail::require(all_local, "cuda::weighted_sum on " + to_string(at) +
-                                            ": expected every view in the memory of GPU " + std::to_string(at.index) +
-                                            ", found one elsewhere; copy it to this GPU first (cuda::backend's "
-                                            "weighted_sum stages other GPUs' views itself)");
+  for (std::size_t j = 0; j < dst.size(); ++j) {
+    dparallel::detail::require(dst[j].dtype() == dst[0].dtype(), [&] {
+      return "cuda::weighted_sum: expected every destination of dtype " + std::string(name_of(dst[0].dtype())) +
+             ", found " + std::string(name_of(dst[j].dtype())) + " for destination " + std::to_string(j);
+    });
+    bool all_local = local(dst[j]);
+    for (std::size_t k = 0; k < m; ++k) {
+      detail::check_same(dst[j], srcs[j * m + k], "cuda::weighted_sum");
+      all_local = all_local && local(srcs[j * m + k]);
+    }
+    dparallel::detail::require(all_local || dst[j].size() == 0, [&] {
+      return "cuda::weighted_sum on " + to_string(at) + ": expected every view in the memory of GPU " +
+             std::to_string(at.index) + ", found one elsewhere; copy it to this GPU first (cuda::backend's "
+             "weighted_sum stages other GPUs' views itself)";
+    });
+  }
   detail::dispatch_float(
-      dst.dtype(),
-      [&](auto zero_value) {
-        using T = decltype(zero_value);
-        using A = typename detail::acc<T>::type;
-        T const* src[detail::max_sources];
-        A w[detail::max_sources];
-        for (std::size_t k = 0; k < srcs.size(); ++k) {
-          src[k] = static_cast<T const*>(srcs[k].data());
-          w[k] = static_cast<A>(weights[k]);
-        }
-        detail::weighted_sum_any<T>(s, static_cast<T*>(dst.data()), src, w, srcs.size(), dst.size());
-      },
+      dst[0].dtype(), [&](auto zero_value) { detail::weighted_sums_any<decltype(zero_value)>(s, dst, srcs, weights); },
       "cuda::weighted_sum");
   check(cudaGetLastError(), "cuda::weighted_sum", at);
+}
+
+/// dst = sum_k weights[k] * srcs[k], summed pairwise as host::weighted_sum does (dst may be one
+/// of the sources): weighted_sums with one destination (same rules).
+inline void weighted_sum(cudaStream_t s, device at, tensor_ref dst, std::span<tensor_ref const> srcs,
+                         std::span<double const> weights) {
+  weighted_sums(s, at, std::span<tensor_ref const>(&dst, 1), srcs, weights);
 }
 
 }  // namespace cuda

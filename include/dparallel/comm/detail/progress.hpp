@@ -28,6 +28,7 @@
 #include <dparallel/core/error.hpp>
 
 #include <chrono>
+#include <concepts>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -85,6 +86,7 @@ struct poll_result {
 ///   void finish(handle&)                             succeeded: e.g. copy staged results out
 ///   void release(handle&) noexcept                   always, last; after abort_native() on failure
 ///   void abort_native() noexcept                     once, after the first failure
+///   std::string late(handle&)                        optional: why a collective past its deadline is late
 /// The driver must outlive the poller; stop() (or the destructor) joins the thread.
 template <class Driver>
 class collective_poller {
@@ -242,6 +244,19 @@ class collective_poller {
     state_cv_.notify_all();
   }
 
+  // (poll thread, m_ not held) Why a collective is late: the driver's account when it has one
+  // (`std::string late(handle&)`, e.g. the devices of a clique that did not finish), else the
+  // process group's.
+  std::string late_reason(handle& h) {
+    if constexpr (requires { { driver_.late(h) } -> std::convertible_to<std::string>; }) {
+      return driver_.late(h);
+    } else {
+      return " on rank " + std::to_string(rank_) +
+             ": a peer did not join (dead, hung, or issuing other collectives); if it is only slow, "
+             "raise the timeout (process_group::set_timeout, init_options::timeout)";
+    }
+  }
+
   void loop() {
     std::unique_lock lock(m_);
     int idle = 0;
@@ -264,6 +279,7 @@ class collective_poller {
       std::string const async = driver_.async_error();
       poll_result const r = async.empty() ? driver_.poll(front.h) : poll_result::failed(async);
       bool const late = r.st == poll_result::state::pending && clock::now() > front.deadline;
+      std::string const late_why = late ? late_reason(front.h) : std::string();
       if (r.st == poll_result::state::done) driver_.finish(front.h);
       lock.lock();
       if (r.st == poll_result::state::done) {
@@ -281,9 +297,7 @@ class collective_poller {
       } else if (late) {
         fail(lock, {rank_, true,
                     front.what + " (collective #" + std::to_string(front.seq) + ") did not complete within " +
-                        std::to_string(front.timeout.count()) + " ms on rank " + std::to_string(rank_) +
-                        ": a peer did not join (dead, hung, or issuing other collectives); if it is only slow, "
-                        "raise the timeout (process_group::set_timeout, init_options::timeout)"});
+                        std::to_string(front.timeout.count()) + " ms" + late_why});
       } else if (!abort_request_) {
         // Still running: back off without the mutex, so launches and aborts go through.
         lock.unlock();
