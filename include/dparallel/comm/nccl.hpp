@@ -118,7 +118,7 @@ class communicator {
  public:
   /// Takes ownership of `comm`, rank `rank` of `size` on GPU `gpu`.
   communicator(ncclComm_t comm, int rank, int size, device gpu, std::chrono::milliseconds timeout)
-      : comm_(comm), rank_(rank), size_(size), dev_(gpu), timeout_ms_(timeout.count()), events_(gpu), staging_(gpu) {
+      : comm_(comm), rank_(rank), size_(size), dev_(gpu), timeout_ms_(timeout.count()), events_(gpu, cudaEventDisableTiming), staging_(gpu) {
     cuda::device_guard g(dev_.index);
     cuda::check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", dev_);
     void* zero = nullptr;
@@ -258,7 +258,7 @@ class communicator {
       if (h.host_out != nullptr) std::memcpy(h.host_out, h.staging->pinned + h.out_offset, h.out_bytes);
     }
     void release(in_flight& h) noexcept {
-      c.events_.give(h.done);
+      if (h.done != nullptr) c.events_.give_back(h.done);
       c.staging_.give(h.staging);
     }
     // ncclCommAbort ends the communicator's kernels and frees its resources; it must come before
@@ -320,7 +320,7 @@ class communicator {
     cudaEvent_t const after = events_.take();
     cudaError_t e = cudaEventRecord(after, issuer);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(stream_, after, 0);
-    events_.give(after);  // re-recording a pooled event later does not disturb this wait
+    events_.give_back(after);  // re-recording a pooled event later does not disturb this wait
     cuda::check(e, "cudaEventRecord / cudaStreamWaitEvent (ordering after the issuing stream)", dev_);
   }
 

@@ -9,6 +9,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/device.hpp>
 #include <dparallel/backend/cuda/error.hpp>
+#include <dparallel/backend/cuda/stream.hpp>
 #include <dparallel/comm/detail/issue_order.hpp>
 #include <dparallel/core/device.hpp>
 
@@ -25,41 +26,10 @@
 DPARALLEL_NAMESPACE_BEGIN
 namespace nccl::detail {
 
-/// Reusable completion events of one GPU (cudaEventDisableTiming: only ordering is needed).
-class event_pool {
- public:
-  explicit event_pool(device d) : dev_(d) {}
-  event_pool(event_pool const&) = delete;
-  event_pool& operator=(event_pool const&) = delete;
-  ~event_pool() {
-    for (cudaEvent_t e : free_) (void)cudaEventDestroy(e);
-  }
-  /// An event of the pool (made on first need); the caller has dev_'s GPU current.
-  cudaEvent_t take() {
-    {
-      std::lock_guard lock(m_);
-      if (!free_.empty()) {
-        cudaEvent_t const e = free_.back();
-        free_.pop_back();
-        return e;
-      }
-    }
-    cudaEvent_t e = nullptr;
-    cuda::check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags", dev_);
-    return e;
-  }
-  /// Returns `e`; recording it again later is fine (cudaEventRecord overwrites the captured work).
-  void give(cudaEvent_t e) noexcept {
-    if (e == nullptr) return;
-    std::lock_guard lock(m_);
-    free_.push_back(e);
-  }
-
- private:
-  device dev_;
-  std::mutex m_;
-  std::vector<cudaEvent_t> free_;
-};
+/// Reusable completion events of one GPU: the CUDA stream's pool, made with
+/// cudaEventDisableTiming (only ordering is needed). Recording a pooled event again is fine:
+/// cudaEventRecord overwrites the work it captures, and earlier waits keep what they captured.
+using event_pool = cuda::detail::event_pool;
 
 /// Host staging blocks of one communicator: each a pinned host buffer and a device buffer of the
 /// same size. A collective leases one block for its lifetime; blocks are never freed before the
