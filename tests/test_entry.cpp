@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -107,16 +108,17 @@ TEST_CASE("launch: one training function trains the one-device model as dp, ddp 
 TEST_CASE("launch: DDP over a given process group (world::of) and over listed devices", "[host][launch]") {
   auto const data = test::dataset<float>::make(32, model().dim, 12, false);
   auto const want = one_device(data, 2, 1);
+  // Catch2's assertions are not thread-safe: the ranks record what they saw, the test thread checks.
   std::vector<std::vector<double>> got(2);
+  std::vector<std::array<std::size_t, 4>> seen(2);  // rank, world size, replicas, samplers
   dpl::spawn(2, [&](dpl::rank_context& rank) {
     dpl::launch<dpl::ddp>(dpl::world::of(rank), [&](auto& s) {
-      CHECK(s.rank() == rank.rank());
-      CHECK(s.world_size() == 2);
-      CHECK(s.replicas() == 2);
       model mdl;
       auto par = s.wrap(mdl);
       auto plan = s.batches(data.n, {.global_batch = global_batch, .seed = 3});
-      CHECK(plan.samplers().size() == 1);
+      seen[static_cast<std::size_t>(rank.rank())] = {static_cast<std::size_t>(s.rank()),
+                                                      static_cast<std::size_t>(s.world_size()),
+                                                      static_cast<std::size_t>(s.replicas()), plan.samplers().size()};
       for (std::size_t j = 0; j < plan.size(); ++j) {
         auto const b = pick(data, plan[j]);
         par.step(b.all(), [](model& r, test::samples<float> shard) { return r.forward_backward(shard); });
@@ -125,15 +127,18 @@ TEST_CASE("launch: DDP over a given process group (world::of) and over listed de
       got[static_cast<std::size_t>(s.rank())] = test::flat(mdl, false);
     });
   });
+  for (std::size_t r = 0; r < 2; ++r) CHECK(seen[r] == std::array<std::size_t, 4>{r, 2, 2, 1});
   CHECK(got[0] == got[1]);
   CHECK(test::rel_error(got[0], want) <= 1e-6);
 
   auto const devs = std::vector<dpl::device>{{dpl::device_kind::host, 3}, {dpl::device_kind::host, 1}};
+  std::vector<dpl::device> placed(2);
   dpl::launch<dpl::ddp>(dpl::world::on(devs), [&](auto& s) {
     model mdl;
     auto par = s.wrap(mdl);
-    CHECK(par.devices().front() == devs[static_cast<std::size_t>(s.rank())]);
+    placed[static_cast<std::size_t>(s.rank())] = par.devices().front();
   });
+  CHECK(placed == devs);
   dpl::launch<dpl::dp>(dpl::world::on(devs), [&](auto& s) {
     model mdl;
     auto par = s.wrap(mdl);
@@ -168,22 +173,29 @@ TEST_CASE("launch: a batch plan covers the sampler replicas in order; DP's batch
 TEST_CASE("launch: misuse is reported with what to do", "[host][launch][diagnostics]") {
   CHECK_THROWS_WITH(dpl::world::local(0), Catch::Contains("at least one participant"));
   CHECK_THROWS_WITH(dpl::batch_plan(10, 3, 0, 3, {.global_batch = 8}), Catch::Contains("multiple of the 3 replicas"));
+  std::vector<std::string> said(2);  // each rank's message; checked on the test thread
   dpl::spawn(2, [&](dpl::rank_context& rank) {
-    CHECK_THROWS_WITH(dpl::launch<dpl::dp>(dpl::world::of(rank), [](auto&) {}),
-                      Catch::Contains("DataParallel runs in one process") && Catch::Contains("use a DDP bundle"));
+    try {
+      dpl::launch<dpl::dp>(dpl::world::of(rank), [](auto&) {});
+    } catch (dpl::error const& e) {
+      said[static_cast<std::size_t>(rank.rank())] = e.what();
+    }
   });
+  for (auto const& m : said)
+    CHECK_THAT(m, Catch::Contains("DataParallel runs in one process") && Catch::Contains("use a DDP bundle"));
   CHECK_THROWS_WITH(dpl::launch<dpl::ddp>(dpl::world::local(2),
                                           [](auto& s) { (void)s.batches(8, {.global_batch = 4, .replicas = 3}); }),
                     Catch::Contains("world size 2"));
 }
 
 TEST_CASE("parallel accepts a rank_context wherever it accepts a process_group", "[host][launch]") {
+  std::vector<std::array<int, 2>> seen(2);  // the wrapper's group rank and size, per rank
   dpl::spawn(2, [&](dpl::rank_context& rank) {
     model mdl;
     dpl::distributed_data_parallel<model> ddp(mdl, rank);
-    CHECK(ddp.group().rank() == rank.rank());
-    CHECK(ddp.group().size() == 2);
+    seen[static_cast<std::size_t>(rank.rank())] = {ddp.group().rank(), ddp.group().size()};
   });
+  CHECK(seen == std::vector<std::array<int, 2>>{{0, 2}, {1, 2}});
 }
 
 TEST_CASE("local_mean weights DataParallel's per-device losses by shard size", "[host][launch]") {
