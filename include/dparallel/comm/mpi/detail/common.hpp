@@ -17,6 +17,7 @@
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/shm/detail/kernels.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
@@ -95,31 +96,11 @@ inline MPI_Datatype mpi_type_of(dtype t) {
   return MPI_BYTE;
 }
 
-/// Sums `count` integers of dtype `t` over `srcs` in rank order, wrapping (two's complement).
-inline void reduce_integers(dtype t, std::span<void const* const> srcs, void* dst, std::size_t count) {
-  auto const run = [&](auto zero) {
-    using T = decltype(zero);
-    using U = std::make_unsigned_t<T>;
-    for (std::size_t i = 0; i < count; ++i) {
-      U acc = 0;
-      for (void const* s : srcs) acc = static_cast<U>(acc + static_cast<U>(static_cast<T const*>(s)[i]));
-      static_cast<T*>(dst)[i] = static_cast<T>(acc);
-    }
-  };
-  switch (t) {
-    case dtype::i32: return run(std::int32_t{});
-    case dtype::i64: return run(std::int64_t{});
-    case dtype::u8: return run(std::uint8_t{});
-    default: throw invalid_argument("dparallel: mpi: no integer reduction for " + std::string(name_of(t)));
-  }
-}
-
 /// One rank's slice of a rank-order reduction: F32/F64 with the host communicator's kernel
-/// (op applied), integers by wrapping sums.
+/// (op applied), integers by wrapping sums (comm/shm/detail/kernels.hpp).
 inline void reduce_in_rank_order(dtype t, std::span<void const* const> srcs, void* dst, std::size_t count,
                                  reduce_op op, int n) {
-  if (host_reducible(t)) reduce_bytes(t, srcs, std::span<void* const>(&dst, 1), count, op, n);
-  else reduce_integers(t, srcs, dst, count);
+  reduce_any(t, srcs, std::span<void* const>(&dst, 1), count, op, n);
 }
 
 inline std::string thread_level_name(int level) {

@@ -1,0 +1,238 @@
+#pragma once
+// dparallel::shm — process groups whose ranks are processes of one node, exchanging data through
+// one POSIX shared-memory segment (shm_open + mmap). No MPI needed: the segment's name travels
+// through a bootstrap (MPI under mpirun: comm/mpi.hpp uses this engine by itself when the whole
+// job is on one node; the torchrun-style variables + the TCP rendezvous otherwise).
+//
+//   // MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE set by the launcher:
+//   auto group = dparallel::shm::init_process_group();
+//   dparallel::distributed_data_parallel<my_model> ddp(model, group);
+//
+// Results. Reductions sum every element over the ranks in rank order 0..n-1 with the host
+// communicator's kernel, so every collective gives bitwise what the same number of thread ranks
+// (host::make_group, spawn) gives, and DDP over N processes trains bitwise the parameters of DDP
+// over N thread ranks. F32 and F64 are summed and averaged, I32, I64 and U8 summed (wrapping);
+// broadcast and all_gather move any dtype. The algorithms: shm/detail/collectives.hpp.
+//
+// Asynchrony. As the host communicator: each rank's communicator owns a communication thread that
+// runs its collectives in the order issued; a call returns a work at once, so DDP's bucket
+// all-reduces overlap backward. A rank's thread touches only its own process's buffers and the
+// segment: when a work completes (successfully or not), nothing touches its buffers any more.
+//
+// Synchronisation. Lock-free atomics in the segment (std::atomic_ref on plain words) and a futex on
+// Linux; no process-shared mutex, so a process that dies leaves nothing locked. See
+// shm/detail/group.hpp.
+//
+// Failures never hang: a rank that does not arrive within the timeout (timeout_error naming it),
+// a rank whose process died (comm_error naming it, found within milliseconds while its peers
+// wait), abort() on any rank, mismatched collectives (comm_error showing both calls), and invalid
+// arguments (invalid_argument on the caller, the group aborted) fail every pending and future
+// collective of every rank. A failed group stays failed.
+//
+// The segment. Rank 0 creates it, the name reaches the other ranks through the bootstrap, and it
+// is unlinked as soon as every rank has mapped it, so nothing is left in /dev/shm whatever way the
+// processes end (a setup that fails unlinks it too). See shm/detail/segment.hpp.
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/call_checks.hpp>
+#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/process_group_init.hpp>
+#include <dparallel/comm/rendezvous.hpp>
+#include <dparallel/comm/shm/detail/bootstrap.hpp>
+#include <dparallel/comm/shm/detail/collectives.hpp>
+#include <dparallel/comm/shm/detail/group.hpp>
+#include <dparallel/comm/work.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/task_queue.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace shm {
+
+/// One rank's endpoint of a shared-memory process group. Made by make_group / init_process_group
+/// (or mpi::make_group on one node); share it through process_group.
+class communicator {
+ public:
+  /// Rank `group.rank()` of a joined group; use make_group instead.
+  communicator(std::shared_ptr<dparallel::detail::shm_group> group, std::chrono::milliseconds timeout)
+      : group_(std::move(group)), runner_(*group_), timeout_ms_(timeout.count()), queue_([this](task& t) { run(t); }) {}
+  communicator(communicator const&) = delete;
+  communicator& operator=(communicator const&) = delete;
+
+  /// Joins the communication thread. Collectives still pending abort the group first; with none
+  /// pending the rank is closed, so peers waiting for a later collective fail at once.
+  ~communicator() {
+    auto const [pending, last] = queue_.locked([&] { return std::pair(queue_.pending(), next_seq_ - 1); });
+    if (pending != 0) {
+      group_->abort(rank(), "its communicator was destroyed with " + std::to_string(pending) + " collective" +
+                                (pending == 1 ? "" : "s") + " pending");
+    } else {
+      group_->close(last);
+    }
+    queue_.stop();
+  }
+
+  /// This rank.
+  [[nodiscard]] int rank() const noexcept { return group_->rank(); }
+  /// Number of ranks.
+  [[nodiscard]] int size() const noexcept { return group_->size(); }
+
+  /// See dparallel::communicator: in place, summed in rank order.
+  work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
+    return issue(checked({kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0}, t, "t"), t, {});
+  }
+  /// See dparallel::communicator: in place onto `root`, summed in rank order.
+  work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
+    return issue(checked({kind::reduce, t.dtype(), t.size(), t.size(), op, root}, t, "t"), t, {});
+  }
+  /// See dparallel::communicator.
+  work broadcast(tensor_ref t, int root) {
+    return issue(checked({kind::broadcast, t.dtype(), t.size(), t.size(), reduce_op::sum, root}, t, "t"), t, {});
+  }
+  /// out: n elements; in: size()*n elements. out may be in's block rank() (in place) or disjoint from in.
+  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) {
+    return issue(checked({kind::reduce_scatter, out.dtype(), out.size(), in.size(), op, 0}, out, "out", in, "in"),
+                 out, in);
+  }
+  /// in: n elements; out: size()*n elements. in may be out's block rank() (in place) or disjoint from out.
+  work all_gather(tensor_ref out, tensor_ref in) {
+    return issue(checked({kind::all_gather, in.dtype(), in.size(), out.size(), reduce_op::sum, 0}, out, "out", in, "in"),
+                 out, in);
+  }
+  /// See dparallel::communicator.
+  work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
+
+  /// Fails every pending and future collective of every rank with a comm_error naming this rank and `why`.
+  void abort(std::string why) { group_->abort(rank(), why); }
+
+  /// How long a collective waits for its peers (per meeting) before failing with timeout_error.
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
+    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
+  }
+  /// Applies to the collectives issued after the call.
+  void set_timeout(std::chrono::milliseconds t) {
+    dparallel::detail::require(t.count() > 0, "shm::communicator::set_timeout: expected a positive timeout, found " +
+                                                  std::to_string(t.count()) + " ms");
+    timeout_ms_.store(t.count(), std::memory_order_relaxed);
+  }
+  /// Collectives this rank has finished, successfully or not (counted before the work completes).
+  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return completed_.load(std::memory_order_acquire); }
+  /// Blocks until every collective issued so far has finished; runs the ones not started yet on the caller.
+  void drain() {
+    queue_.help_until_idle([] {});
+  }
+
+ private:
+  using kind = dparallel::detail::comm_kind;
+  struct task {
+    std::uint64_t seq = 0;
+    dparallel::detail::comm_call call;
+    tensor_ref a;
+    tensor_ref b;
+    std::chrono::milliseconds timeout{};
+    dparallel::detail::work_promise done;
+  };
+
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
+    dparallel::detail::work_promise p;
+    work w = p.get_work();
+    queue_.push([&] { return task{next_seq_++, c, a, b, timeout(), std::move(p)}; });
+    return w;
+  }
+
+  // Invalid arguments abort the group (the peers would otherwise wait until the timeout), then
+  // throw invalid_argument on the caller.
+  dparallel::detail::comm_call checked(dparallel::detail::comm_call const& c, tensor_ref x, char const* xn,
+                                       tensor_ref y = {}, char const* yn = nullptr) {
+    std::string problem = tensor_problem(x, xn);
+    if (problem.empty() && yn != nullptr) problem = tensor_problem(y, yn);
+    if (problem.empty() && c.reduces() && !dparallel::detail::shm_reducible(c.type))
+      problem = "the shared-memory communicator reduces F32, F64, I32, I64 and U8, found " +
+                std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype";
+    if (problem.empty() && c.reduces() && c.op == reduce_op::avg && !dparallel::detail::host_reducible(c.type))
+      problem = "avg needs a floating-point dtype (F32, F64), found " + std::string(name_of(c.type)) + "; use sum";
+    if (problem.empty() && c.rooted()) problem = dparallel::detail::root_problem(c.root, size());
+    if (problem.empty() && c.kind == kind::reduce_scatter)  // out is the small one
+      problem = dparallel::detail::blocks_problem(x, y, xn, yn, size(), rank());
+    if (problem.empty() && c.kind == kind::all_gather)  // in is the small one
+      problem = dparallel::detail::blocks_problem(y, x, yn, xn, size(), rank());
+    if (problem.empty()) return c;
+    std::string const msg = std::string(dparallel::detail::kind_name(c.kind)) + " on rank " + std::to_string(rank()) +
+                            ": " + problem;
+    group_->abort(rank(), "invalid arguments to " + msg);
+    throw invalid_argument("dparallel: shm::communicator: " + msg);
+  }
+
+  static std::string tensor_problem(tensor_ref t, char const* name) {
+    if (t.device().kind != device_kind::host)
+      return std::string("expected `") + name + "` in host memory, found a view on " + to_string(t.device()) +
+             "; the shared-memory communicator moves host memory only";
+    return dparallel::detail::null_data_problem(t, name);
+  }
+
+  // On the communication thread (or a draining caller), one collective at a time, in order.
+  void run(task& t) {
+    std::exception_ptr failure;
+    try {
+      failure = runner_.run(t.seq, t.call, t.a, t.b, t.timeout);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    queue_.retire([] {});
+    completed_.fetch_add(1, std::memory_order_release);
+    t.done.complete(std::move(failure));
+  }
+
+  std::shared_ptr<dparallel::detail::shm_group> group_;
+  dparallel::detail::shm_runner runner_;
+  std::atomic<std::int64_t> timeout_ms_;
+  std::atomic<std::uint64_t> completed_{0};
+  std::uint64_t next_seq_ = 1;  // under the queue's mutex
+  dparallel::detail::task_queue<task> queue_;  // last: its thread starts after the other members exist
+};
+
+static_assert(dparallel::communicator<communicator>);
+
+/// Rank `rank` of a `world_size`-rank shared-memory group on this node. `share` carries rank 0's
+/// bytes (the segment's name and token) to every rank (see shm::bootstrap_fn); every rank calls
+/// make_group with the same world size, options and a share function of the same bootstrap.
+/// Throws timeout_error naming the ranks that did not join within `timeout`.
+inline process_group make_group(int rank, int world_size, bootstrap_fn const& share,
+                                std::chrono::milliseconds timeout = std::chrono::seconds(300), options opts = {}) {
+  auto group = dparallel::detail::join_shm_group(rank, world_size, share, timeout, opts);
+  return process_group(std::make_shared<communicator>(std::move(group), timeout));
+}
+
+/// The process group of a job started by a torchrun-style launcher without MPI: RANK, WORLD_SIZE,
+/// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (or init_options) as resolve_launch
+/// reads them; the segment's name goes through tcp_rendezvous. Every rank must be on this node
+/// (LOCAL_WORLD_SIZE == WORLD_SIZE, and the rendezvous checks the node of every rank): across
+/// nodes, launch with MPI (dparallel::mpi::init_process_group), which is an invalid_argument here.
+inline distributed_group init_process_group(init_options const& init = {}, options opts = {},
+                                            environment const& env = process_environment()) {
+  dparallel::detail::require(init.timeout.count() > 0, "shm::init_process_group: expected a positive timeout, found " +
+                                                           std::to_string(init.timeout.count()) + " ms");
+  launch_info info = resolve_launch(init, env);
+  if (info.local_world_size != info.world_size)
+    throw invalid_argument(
+        "dparallel: shm::init_process_group: the job has " + std::to_string(info.world_size) + " ranks but " +
+        std::to_string(info.local_world_size) + " on this node (" + info.local_source +
+        "); without MPI, dparallel's process groups span one node (shared memory). Launch a job on several nodes "
+        "with MPI (mpirun / srun, dparallel::mpi::init_process_group), or run all ranks on one node");
+  auto const share = dparallel::detail::rendezvous_bootstrap(info, init.timeout);
+  return dparallel::detail::finish_init(make_group(info.rank, info.world_size, share, init.timeout, opts),
+                                        std::move(info), init, env);
+}
+
+}  // namespace shm
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,204 @@
+#pragma once
+// The collective algorithms of the shared-memory communicator (see <dparallel/comm/shm.hpp>).
+// A rank's process can read and write only its own buffers and the segment, so data moves
+// through the segment: each rank copies its input in, the ranks meet, each computes from the
+// segment, and copies results out. Every element of a reduction is summed over the ranks'
+// copies in rank order 0..n-1 with the host communicator's kernel (reduce_bytes), so the result
+// is bitwise what thread ranks give.
+//
+// Small collectives (a rank's input at most options::small_bytes) meet once: each rank copies its
+// input into its small slot of the collective's parity (sequence number mod 2), they meet, and
+// each rank computes its own result from every slot. A slot is written again two collectives
+// later, after every rank has passed the meeting of the collective in between, i.e. after every
+// rank finished reading it.
+// Larger ones go in chunks of options::chunk_bytes per rank, with two meetings per chunk:
+//   all_reduce / reduce: copy the chunk in; meet; rank r sums slice r (rank_slice) of every
+//     rank's copy into the result area (and into its own buffer); meet; copy the other slices out;
+//   broadcast: the root copies the chunk into the result area; meet; the others copy it out; meet;
+//   reduce_scatter: copy in every block's part of the chunk; meet; sum this rank's block; meet;
+//   all_gather: copy the chunk in; meet; copy every rank's chunk out; meet.
+// The first meeting of every collective also compares the ranks' descriptors of it (check()).
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/host_kernels.hpp>
+#include <dparallel/comm/shm/detail/group.hpp>
+#include <dparallel/comm/shm/detail/kernels.hpp>
+#include <dparallel/core/dtype.hpp>
+#include <dparallel/core/tensor_view.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <span>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace detail {
+
+/// Runs one rank's collectives over a shm_group (on its communication thread, one at a time).
+class shm_runner {
+ public:
+  explicit shm_runner(shm_group& g) : g_(g), srcs_(static_cast<std::size_t>(g.size())) {}
+
+  /// Collective `seq` of this rank: its failure, or null.
+  std::exception_ptr run(std::uint64_t seq, comm_call const& c, tensor_ref a, tensor_ref b,
+                         std::chrono::milliseconds timeout) {
+    if (g_.failed()) return g_.error(seq, c);
+    seq_ = seq;
+    call_ = c;
+    timeout_ = timeout;
+    checked_ = false;
+    g_.publish(seq, c);
+    A_ = static_cast<std::byte*>(a.data());
+    B_ = static_cast<std::byte*>(b.data());
+    esz_ = size_of(c.type);
+    bool ok = true;
+    if (c.kind == comm_kind::barrier) ok = meet();
+    else if (input_bytes() <= g_.segment().layout().small) ok = small();
+    else ok = chunked();
+    return ok ? nullptr : g_.error(seq, c);
+  }
+
+ private:
+  [[nodiscard]] std::size_t input_bytes() const noexcept {
+    return (call_.kind == comm_kind::reduce_scatter ? call_.total : call_.count) * esz_;
+  }
+  [[nodiscard]] std::byte* small_slot(int j) const noexcept {
+    auto const& L = g_.segment().layout();
+    auto const index = static_cast<std::size_t>(seq_ % 2) * static_cast<std::size_t>(g_.size()) +
+                       static_cast<std::size_t>(j);
+    return g_.segment().at(L.small_at() + index * L.small);
+  }
+  [[nodiscard]] std::byte* chunk_slot(int j) const noexcept {
+    auto const& L = g_.segment().layout();
+    return g_.segment().at(L.chunk_at() + static_cast<std::size_t>(j) * L.chunk);
+  }
+  [[nodiscard]] std::byte* result() const noexcept { return g_.segment().at(g_.segment().layout().result_at()); }
+
+  bool meet() {
+    if (!g_.barrier(seq_, call_, timeout_)) return false;
+    if (!checked_) {
+      checked_ = true;
+      return g_.check(seq_);
+    }
+    return true;
+  }
+
+  static void copy(std::byte* dst, std::byte const* src, std::size_t bytes) {
+    if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+  }
+
+  // srcs_[j] = base(j) + offset for every rank j, then the reduction into `dsts`.
+  template <class Base>
+  void reduce_from(Base base, std::size_t offset, std::initializer_list<void*> dsts, std::size_t count) {
+    for (int j = 0; j < g_.size(); ++j) srcs_[static_cast<std::size_t>(j)] = base(j) + offset;
+    std::span<void* const> const d(dsts.begin(), dsts.size());
+    reduce_any(call_.type, srcs_, d, count, call_.op, g_.size());
+  }
+
+  bool small() {
+    int const r = g_.rank();
+    std::size_t const bytes = call_.count * esz_;
+    switch (call_.kind) {
+      case comm_kind::all_reduce:
+      case comm_kind::reduce: copy(small_slot(r), A_, bytes); break;
+      case comm_kind::broadcast:
+        if (r == call_.root) copy(small_slot(r), A_, bytes);
+        break;
+      case comm_kind::reduce_scatter: copy(small_slot(r), B_, call_.total * esz_); break;
+      case comm_kind::all_gather: copy(small_slot(r), B_, bytes); break;
+      case comm_kind::barrier: break;
+    }
+    if (!meet()) return false;
+    auto const slot = [&](int j) { return small_slot(j); };
+    switch (call_.kind) {
+      case comm_kind::all_reduce: reduce_from(slot, 0, {A_}, call_.count); break;
+      case comm_kind::reduce:
+        if (r == call_.root) reduce_from(slot, 0, {A_}, call_.count);
+        break;
+      case comm_kind::broadcast:
+        if (r != call_.root) copy(A_, small_slot(call_.root), bytes);
+        break;
+      case comm_kind::reduce_scatter: reduce_from(slot, static_cast<std::size_t>(r) * bytes, {A_}, call_.count); break;
+      case comm_kind::all_gather:
+        for (int j = 0; j < g_.size(); ++j) copy(A_ + static_cast<std::size_t>(j) * bytes, small_slot(j), bytes);
+        break;
+      case comm_kind::barrier: break;
+    }
+    return true;
+  }
+
+  bool chunked() {
+    int const r = g_.rank();
+    int const n = g_.size();
+    auto const un = static_cast<std::size_t>(n);
+    std::size_t const chunk = g_.segment().layout().chunk;
+    std::size_t const count = call_.count;
+    auto const slot = [&](int j) { return chunk_slot(j); };
+    std::size_t const step = std::max<std::size_t>(1, call_.kind == comm_kind::reduce_scatter ? chunk / (un * esz_)
+                                                                                                : chunk / esz_);
+    for (std::size_t lo = 0; lo < count; lo += step) {
+      std::size_t const len = std::min(step, count - lo);
+      std::size_t const bytes = len * esz_;
+      std::byte* const mine = A_ + lo * esz_;
+      switch (call_.kind) {
+        case comm_kind::all_reduce:
+        case comm_kind::reduce: {
+          copy(chunk_slot(r), mine, bytes);
+          if (!meet()) return false;
+          auto const [s0, s1] = rank_slice(len, n, r);
+          bool const keeps = call_.kind == comm_kind::all_reduce || r == call_.root;
+          if (s1 > s0) {
+            if (keeps) reduce_from(slot, s0 * esz_, {result() + s0 * esz_, mine + s0 * esz_}, s1 - s0);
+            else reduce_from(slot, s0 * esz_, {result() + s0 * esz_}, s1 - s0);
+          }
+          if (!meet()) return false;
+          if (keeps) {
+            copy(mine, result(), s0 * esz_);
+            copy(mine + s1 * esz_, result() + s1 * esz_, (len - s1) * esz_);
+          }
+          break;
+        }
+        case comm_kind::broadcast:
+          if (r == call_.root) copy(result(), mine, bytes);
+          if (!meet()) return false;
+          if (r != call_.root) copy(mine, result(), bytes);
+          if (!meet()) return false;
+          break;
+        case comm_kind::reduce_scatter:
+          for (std::size_t j = 0; j < un; ++j) copy(chunk_slot(r) + j * bytes, B_ + (j * count + lo) * esz_, bytes);
+          if (!meet()) return false;
+          reduce_from(slot, static_cast<std::size_t>(r) * bytes, {mine}, len);
+          if (!meet()) return false;
+          break;
+        case comm_kind::all_gather:
+          copy(chunk_slot(r), B_ + lo * esz_, bytes);
+          if (!meet()) return false;
+          for (std::size_t j = 0; j < un; ++j) copy(A_ + (j * count + lo) * esz_, chunk_slot(static_cast<int>(j)), bytes);
+          if (!meet()) return false;
+          break;
+        case comm_kind::barrier: break;
+      }
+    }
+    return checked_ || meet();  // a collective with no elements still meets (and is checked) once
+  }
+
+  shm_group& g_;
+  std::vector<void const*> srcs_;
+  std::uint64_t seq_ = 0;
+  comm_call call_{};
+  std::chrono::milliseconds timeout_{};
+  bool checked_ = false;
+  std::byte* A_ = nullptr;
+  std::byte* B_ = nullptr;
+  std::size_t esz_ = 1;
+};
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END

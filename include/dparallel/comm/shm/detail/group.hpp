@@ -1,0 +1,284 @@
+#pragma once
+// One rank's view of a shared-memory process group (see <dparallel/comm/shm.hpp>): the meeting
+// points (barriers over the ranks' step counters in the segment), the group's sticky failure, and
+// the checks every wait makes while it waits: the failure word, a rank that closed, a rank whose
+// process is gone, the timeout.
+//
+// Barriers. Each rank counts the barriers it has arrived at (its slot's `step`). Arriving at
+// barrier k stores k (release), bumps the header's epoch and wakes the sleepers; waiting for
+// barrier k returns once every rank's step is >= k (acquire), so whatever a rank wrote into the
+// segment before it arrived is visible to every rank that passed. A waiter spins within the spin
+// budget (core/spin.hpp), then sleeps on the epoch with a futex, waking at least every few
+// milliseconds to look for peers whose process has died.
+//
+// Failure. The first failure wins: a rank takes the failure word (0 -> 1), writes the rank at
+// fault and the reason, then publishes it (2). It fails every pending and future collective of
+// every rank; a failed group stays failed.
+
+#include <dparallel/config.hpp>
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/shm/detail/segment.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/spin.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace detail {
+
+class shm_group {
+ public:
+  using clock = std::chrono::steady_clock;
+  static constexpr std::uint64_t open = std::numeric_limits<std::uint64_t>::max();
+
+  shm_group(std::unique_ptr<shm_segment> seg, int rank) : seg_(std::move(seg)), rank_(rank), n_(seg_->layout().n) {}
+  shm_group(shm_group const&) = delete;
+  shm_group& operator=(shm_group const&) = delete;
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return n_; }
+  [[nodiscard]] shm_segment& segment() const noexcept { return *seg_; }
+
+  /// Set-up: counts this rank in, then waits until every rank has mapped the segment (the last
+  /// one unlinks its name). Throws timeout_error naming the ranks that never mapped it, or the
+  /// group's failure; the name is unlinked either way.
+  void join(std::chrono::milliseconds timeout) {
+    shm_word(seg_->slot(rank_).pid).store(::getpid(), std::memory_order_release);
+    auto const was = shm_word(seg_->header().mapped).fetch_add(1, std::memory_order_acq_rel);
+    if (was + 1 == static_cast<std::uint64_t>(n_)) seg_->unlink();
+    notify();
+    auto const all_mapped = [&] {
+      return shm_word(seg_->header().mapped).load(std::memory_order_acquire) >= static_cast<std::uint64_t>(n_);
+    };
+    bool const ok = wait_for(all_mapped, deadline_after(timeout), [&] {
+      std::vector<int> missing;
+      for (int j = 0; j < n_; ++j)
+        if (shm_word(seg_->slot(j).pid).load(std::memory_order_acquire) == 0) missing.push_back(j);
+      if (missing.empty()) missing.push_back(rank_);
+      std::string const who = describe_ranks(missing);
+      set_failure(missing[0], true,
+                  who + " did not map shared-memory segment " + seg_->name() +
+                      " within " + std::to_string(timeout.count()) + " ms (rank " + std::to_string(rank_) +
+                      " waited for it while setting up the group); every rank must create its group, and a rank "
+                      "that is only slow needs a longer timeout");
+    });
+    if (ok) {
+      seg_->disown();  // unlinked by the last rank to map it
+      return;
+    }
+    seg_->unlink();
+    auto const f = failure();
+    std::string const msg = "dparallel: shm: rank " + std::to_string(rank_) + ": setting up the group failed: " + f.reason;
+    if (f.timeout) throw timeout_error(f.rank, msg);
+    throw comm_error(f.rank, msg);
+  }
+
+  /// Arrives at the next barrier of this rank and waits for every rank to arrive; false when the
+  /// group failed (then failure() says why). `seq` and `call` name the collective in errors.
+  bool barrier(std::uint64_t seq, comm_call const& call, std::chrono::milliseconds timeout) {
+    std::uint64_t const k = ++step_;
+    shm_word(seg_->slot(rank_).step).store(k, std::memory_order_release);
+    notify();
+    auto const arrived = [&] {
+      for (int j = 0; j < n_; ++j)
+        if (shm_word(seg_->slot(j).step).load(std::memory_order_acquire) < k) return false;
+      return true;
+    };
+    return wait_for(arrived, deadline_after(timeout), [&] { fail_arrival(k, seq, call, timeout); }, seq);
+  }
+
+  /// Publishes this rank's descriptor of collective `seq` (before its first barrier).
+  void publish(std::uint64_t seq, comm_call const& c) {
+    seg_->slot(rank_).calls[seq % 2] = shm_call_record{seq,
+                                                       c.count,
+                                                       c.total,
+                                                       c.root,
+                                                       static_cast<std::uint8_t>(c.kind),
+                                                       static_cast<std::uint8_t>(c.type),
+                                                       static_cast<std::uint8_t>(c.op),
+                                                       0};
+  }
+
+  /// After the first barrier of `seq`: every rank compares every descriptor with rank 0's and
+  /// fails the group alike when one differs. False on a mismatch.
+  bool check(std::uint64_t seq) {
+    comm_call const first = call_of(0, seq);
+    for (int j = 1; j < n_; ++j) {
+      comm_call const other = call_of(j, seq);
+      if (!matches(first, other)) {
+        set_failure(j, false,
+                    "mismatched collectives #" + std::to_string(seq) + ": rank 0 called " + describe(first) +
+                        " but rank " + std::to_string(j) + " called " + describe(other) +
+                        ". Every rank must issue the same collectives, with the same element counts, dtypes, roots "
+                        "and reduce ops, in the same order");
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /// Fails the group (unless it failed already), naming `rank`.
+  void abort(int rank, std::string const& why) {
+    set_failure(rank, false, "rank " + std::to_string(rank) + " aborted the process group: " + why);
+  }
+
+  /// This rank issues no collective after `last_seq`.
+  void close(std::uint64_t last_seq) {
+    shm_word(seg_->slot(rank_).closed).store(last_seq, std::memory_order_release);
+    notify();
+  }
+
+  [[nodiscard]] bool failed() const { return shm_word(seg_->header().fail_state).load(std::memory_order_acquire) != 0; }
+
+  /// The group's failure (call when failed()).
+  [[nodiscard]] comm_failure failure() const {
+    shm_header& h = seg_->header();
+    // The writer publishes within microseconds; one that died while writing leaves state 1.
+    spin_until([&] { return shm_word(h.fail_state).load(std::memory_order_acquire) == 2; });
+    auto const until = clock::now() + std::chrono::milliseconds(200);
+    while (shm_word(h.fail_state).load(std::memory_order_acquire) != 2 && clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (shm_word(h.fail_state).load(std::memory_order_acquire) != 2)
+      return {0, false, "a rank died while it reported a failure of the process group"};
+    char text[shm_reason_bytes];
+    std::memcpy(text, h.fail_reason, sizeof text);
+    text[sizeof text - 1] = '\0';
+    return {h.fail_rank, h.fail_timeout != 0, text};
+  }
+
+  [[nodiscard]] std::exception_ptr error(std::uint64_t seq, comm_call const& call) const {
+    return collective_error(rank_, describe(call), seq, failure());
+  }
+
+ private:
+  [[nodiscard]] comm_call call_of(int j, std::uint64_t seq) const {
+    shm_call_record const& r = seg_->slot(j).calls[seq % 2];
+    comm_call c;
+    c.kind = static_cast<comm_kind>(r.kind);
+    c.type = static_cast<dtype>(r.type);
+    c.count = r.count;
+    c.total = r.total;
+    c.op = static_cast<reduce_op>(r.op);
+    c.root = r.root;
+    return c;
+  }
+
+  void notify() {
+    shm_header& h = seg_->header();
+    shm_word(h.epoch).fetch_add(1, std::memory_order_seq_cst);
+    if (shm_word(h.sleepers).load(std::memory_order_seq_cst) != 0) shm_futex_wake_all(h.epoch);
+  }
+
+  void set_failure(int rank, bool timeout, std::string const& reason) {
+    shm_header& h = seg_->header();
+    std::uint32_t expected = 0;
+    if (!shm_word(h.fail_state).compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) return;
+    h.fail_rank = rank;
+    h.fail_timeout = timeout ? 1 : 0;
+    std::size_t const len = std::min(reason.size(), shm_reason_bytes - 1);
+    std::memcpy(h.fail_reason, reason.data(), len);
+    h.fail_reason[len] = '\0';
+    shm_word(h.fail_state).store(2, std::memory_order_release);
+    notify();
+  }
+
+  // Waits until ready() (true), or the group failed, or the deadline, a closed rank or a dead
+  // process failed it (false; on_timeout() names the late ranks when nothing else explains it).
+  template <class Ready, class OnTimeout>
+  bool wait_for(Ready ready, clock::time_point deadline, OnTimeout on_timeout, std::uint64_t seq = 0) {
+    shm_header& h = seg_->header();
+    auto const settled = [&] { return ready() || failed(); };
+    if (!spin_until(settled)) {
+      auto next_check = clock::now();
+      for (;;) {
+        std::uint32_t const seen = shm_word(h.epoch).load(std::memory_order_seq_cst);
+        shm_word(h.sleepers).fetch_add(1, std::memory_order_seq_cst);
+        bool const done = settled();
+        if (!done) shm_futex_wait(h.epoch, seen, std::chrono::milliseconds(2));
+        shm_word(h.sleepers).fetch_sub(1, std::memory_order_seq_cst);
+        if (done || settled()) break;
+        auto const now = clock::now();
+        if (now >= next_check) {
+          if (peers_gone(seq)) break;
+          next_check = now + std::chrono::milliseconds(5);
+        }
+        if (now >= deadline) {
+          on_timeout();
+          break;
+        }
+      }
+    }
+    if (ready()) return true;
+    return false;
+  }
+
+  // A peer that closed before `seq` or whose process is gone: fails the group naming it.
+  bool peers_gone(std::uint64_t seq) {
+    for (int j = 0; j < n_; ++j) {
+      if (j == rank_) continue;
+      shm_rank_slot& s = seg_->slot(j);
+      if (seq != 0) {
+        auto const closed = shm_word(s.closed).load(std::memory_order_acquire);
+        if (closed < seq) {
+          set_failure(j, true,
+                      "rank " + std::to_string(j) + " finished (its process_group was destroyed or closed) after "
+                      "issuing " + std::to_string(closed) + " collective" + (closed == 1 ? "" : "s") +
+                          ", so it will never call collective #" + std::to_string(seq) + ", which rank " +
+                          std::to_string(rank_) + " waited for. Every rank must issue the same collectives in the "
+                          "same order");
+          return true;
+        }
+      }
+      auto const pid = shm_word(s.pid).load(std::memory_order_acquire);
+      if (pid != 0 && process_gone(pid)) {
+        set_failure(j, false,
+                    "rank " + std::to_string(j) + " (process " + std::to_string(pid) +
+                        ") died or exited while the group was in use (rank " + std::to_string(rank_) +
+                        " found it gone while it waited" +
+                        (seq != 0 ? " in collective #" + std::to_string(seq) : std::string()) + ")");
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void fail_arrival(std::uint64_t k, std::uint64_t seq, comm_call const& call, std::chrono::milliseconds timeout) {
+    std::vector<int> missing;
+    std::vector<int> present;
+    for (int j = 0; j < n_; ++j)
+      (shm_word(seg_->slot(j).step).load(std::memory_order_acquire) < k ? missing : present).push_back(j);
+    if (missing.empty()) missing.push_back(rank_);
+    std::string const who = describe_ranks(missing);
+    std::string msg = who + " did not reach collective #" + std::to_string(seq) + " (or its next step) within " +
+                      std::to_string(timeout.count()) + " ms: rank " + std::to_string(rank_) + " waited for it in " +
+                      describe(call);
+    if (!present.empty()) msg += " (" + describe_ranks(present) + " had reached it)";
+    msg += ". Every rank must issue the same collectives in the same order; if " + who +
+           (missing.size() == 1 ? " is" : " are") + " only slow, raise the timeout (process_group::set_timeout)";
+    set_failure(missing[0], true, msg);
+  }
+
+  std::unique_ptr<shm_segment> seg_;
+  int rank_;
+  int n_;
+  std::uint64_t step_ = 0;  // the communication thread's only
+};
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END

@@ -1,0 +1,521 @@
+// The shared-memory communicator between real processes (fork): every collective gives the bits of
+// the thread-rank host communicator (2, 3 and 4 processes; empty, one-element, odd and multi-chunk
+// sizes; the one-meeting and the chunked paths); DDP over N processes, bootstrapped through pipes
+// or launched torchrun-style (RANK, WORLD_SIZE, ... set in each child, the TCP rendezvous), trains
+// bitwise the parameters of DDP over N thread ranks; and the faults: a process killed while it
+// holds the segment, a rank that never maps it, a stale segment of the same name, mismatched
+// calls, abort. After every scenario, /dev/shm holds no segment of the scenario's processes.
+#include "models.hpp"
+
+#include <dparallel/comm/host.hpp>
+#include <dparallel/comm/shm.hpp>
+#include <dparallel/dparallel.hpp>
+#include <dparallel/spawn.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dpl = dparallel;
+using namespace std::chrono_literals;
+
+namespace {
+
+// --- processes ------------------------------------------------------------------------------
+
+/// What one forked rank reported: its text, and how it ended.
+struct rank_result {
+  std::string text;
+  int exit_code = -1;  // 128 + signal when killed
+};
+
+/// A rank's body: its rank and the bootstrap (pipes from rank 0) -> its report.
+using rank_fn = std::function<std::string(int rank, dpl::shm::bootstrap_fn const& share)>;
+
+void write_all(int fd, void const* p, std::size_t n) {
+  auto const* b = static_cast<char const*>(p);
+  while (n != 0) {
+    ssize_t const k = ::write(fd, b, n);
+    if (k <= 0) return;
+    b += k;
+    n -= static_cast<std::size_t>(k);
+  }
+}
+bool read_all(int fd, void* p, std::size_t n) {
+  auto* b = static_cast<char*>(p);
+  while (n != 0) {
+    ssize_t const k = ::read(fd, b, n);
+    if (k <= 0) return false;
+    b += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return true;
+}
+
+/// Forks `n` processes, rank r running fn(r, share) where share carries rank 0's bytes through
+/// pipes; returns each rank's report once all ended, and their process ids in `pids`.
+std::vector<rank_result> run_ranks(int n, rank_fn const& fn, std::vector<pid_t>* pids = nullptr) {
+  auto const un = static_cast<std::size_t>(n);
+  std::vector<std::array<int, 2>> boot(un), out(un);
+  for (std::size_t j = 0; j < un; ++j) {
+    REQUIRE(::pipe(boot[j].data()) == 0);
+    REQUIRE(::pipe(out[j].data()) == 0);
+  }
+  std::vector<pid_t> children;
+  for (int r = 0; r < n; ++r) {
+    pid_t const pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      auto const ur = static_cast<std::size_t>(r);
+      for (std::size_t j = 0; j < un; ++j) {
+        ::close(out[j][0]);
+        if (j != ur) ::close(out[j][1]);
+        if (j != ur || r == 0) ::close(boot[j][0]);
+        if (r != 0) ::close(boot[j][1]);  // rank 0 alone writes: a dead rank 0 means EOF
+      }
+      dpl::shm::bootstrap_fn const share = [&](std::span<std::byte const> mine) {
+        if (r == 0) {
+          auto const len = static_cast<std::uint64_t>(mine.size());
+          for (std::size_t j = 1; j < un; ++j) {
+            write_all(boot[j][1], &len, sizeof len);
+            write_all(boot[j][1], mine.data(), mine.size());
+          }
+          return std::vector<std::byte>(mine.begin(), mine.end());
+        }
+        std::uint64_t len = 0;
+        if (!read_all(boot[ur][0], &len, sizeof len)) throw dpl::comm_error(0, "test bootstrap: rank 0 is gone");
+        std::vector<std::byte> b(len);
+        if (!read_all(boot[ur][0], b.data(), b.size())) throw dpl::comm_error(0, "test bootstrap: rank 0 is gone");
+        return b;
+      };
+      std::string text;
+      int code = 0;
+      try {
+        text = fn(r, share);
+      } catch (dpl::timeout_error const& e) {
+        text = "EXC timeout_error " + std::to_string(e.rank()) + ": " + e.what();
+        code = 1;
+      } catch (dpl::comm_error const& e) {
+        text = "EXC comm_error " + std::to_string(e.rank()) + ": " + e.what();
+        code = 1;
+      } catch (std::exception const& e) {
+        text = std::string("EXC other -1: ") + e.what();
+        code = 1;
+      }
+      write_all(out[ur][1], text.data(), text.size());
+      ::close(out[ur][1]);
+      ::_exit(code);
+    }
+    children.push_back(pid);
+  }
+  for (std::size_t j = 0; j < un; ++j) {
+    ::close(boot[j][0]);
+    ::close(boot[j][1]);
+    ::close(out[j][1]);
+  }
+  std::vector<rank_result> results(un);
+  for (std::size_t j = 0; j < un; ++j) {
+    char buf[4096];
+    for (;;) {
+      ssize_t const k = ::read(out[j][0], buf, sizeof buf);
+      if (k <= 0) break;
+      results[j].text.append(buf, static_cast<std::size_t>(k));
+    }
+    ::close(out[j][0]);
+    int status = 0;
+    ::waitpid(children[j], &status, 0);
+    results[j].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  }
+  if (pids != nullptr) *pids = children;
+  return results;
+}
+
+/// The shared-memory objects in /dev/shm whose name starts with `prefix`.
+std::set<std::string> shm_objects(std::string const& prefix) {
+  std::set<std::string> names;
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d)) {
+      std::string const name = e->d_name;
+      if (name.rfind(prefix, 0) == 0) names.insert(name);
+    }
+    ::closedir(d);
+  }
+  return names;
+}
+
+/// No segment made by any of `pids` (rank 0 puts its process id in the name) is left in /dev/shm.
+void require_no_segments_of(std::vector<pid_t> const& pids) {
+  for (pid_t p : pids) {
+    INFO("segments of process " << p);
+    CHECK(shm_objects("dparallel-" + std::to_string(p) + "-").empty());
+  }
+}
+
+// --- collectives ----------------------------------------------------------------------------
+
+/// FNV-1a of bytes, as text.
+template <class T>
+std::string digest(std::vector<T> const& v) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::byte x : std::as_bytes(std::span(v))) h = (h ^ static_cast<std::uint64_t>(x)) * 1099511628211ull;
+  return std::to_string(h) + ",";
+}
+
+template <class T>
+std::vector<T> numbers(int rank, std::size_t n, std::uint64_t seed) {
+  test::rng g{seed * 104729 + static_cast<std::uint64_t>(rank)};
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(g.uniform() * 2 - 1);
+  return v;
+}
+
+/// Every kind of collective through `g`, over `sizes`; the digest of every output buffer.
+template <class T>
+std::string exercise(dpl::process_group const& g, std::vector<std::size_t> const& sizes, std::uint64_t& seed) {
+  int const r = g.rank();
+  int const n = g.size();
+  auto const un = static_cast<std::size_t>(n);
+  auto const ur = static_cast<std::size_t>(r);
+  std::string out;
+  for (std::size_t len : sizes) {
+    for (auto op : {dpl::reduce_op::sum, dpl::reduce_op::avg}) {
+      auto a = numbers<T>(r, len, ++seed);
+      g.all_reduce(dpl::view(a), op).wait();
+      auto b = numbers<T>(r, len, ++seed);
+      g.reduce(dpl::view(b), static_cast<int>(seed % un), op).wait();
+      auto in = numbers<T>(r, len * un, ++seed);
+      std::vector<T> o(len);
+      g.reduce_scatter(dpl::view(o), dpl::view(in), op).wait();
+      auto in2 = numbers<T>(r, len * un, ++seed);  // in place: out is in's block r
+      g.reduce_scatter(dpl::tensor_view<T>(in2.data() + ur * len, len), dpl::view(in2), op).wait();
+      out += digest(a) + digest(b) + digest(o) + digest(in2);
+    }
+    auto c = numbers<T>(r, len, ++seed);
+    g.broadcast(dpl::view(c), n - 1).wait();
+    auto mine = numbers<T>(r, len, ++seed);
+    std::vector<T> all(len * un);
+    g.all_gather(dpl::view(all), dpl::view(mine)).wait();
+    std::vector<T> all2(len * un, T(7));  // in place: in is out's block r
+    std::copy(mine.begin(), mine.end(), all2.begin() + static_cast<std::ptrdiff_t>(ur * len));
+    g.all_gather(dpl::view(all2), dpl::tensor_view<T>(all2.data() + ur * len, len)).wait();
+    out += digest(c) + digest(all) + digest(all2) + "|";
+  }
+  // Several in flight, waited for in reverse order.
+  std::vector<std::vector<T>> many;
+  std::vector<dpl::work> works;
+  for (std::size_t k = 0; k < 5; ++k) many.push_back(numbers<T>(r, 300 + k * 1001, ++seed));
+  for (auto& v : many) works.push_back(g.all_reduce(dpl::view(v)));
+  for (auto it = works.rbegin(); it != works.rend(); ++it) it->wait();
+  for (auto const& v : many) out += digest(v);
+  g.barrier().wait();
+  return out;
+}
+
+std::vector<std::size_t> const float_sizes = {0, 1, 2, 5, 1000, 4099, 16411, 300007};
+
+/// The digests of every collective in exercise(), F32 and F64.
+std::string all_collectives(dpl::process_group const& g) {
+  std::uint64_t seed = 0;
+  return exercise<float>(g, float_sizes, seed) + exercise<double>(g, float_sizes, seed);
+}
+
+// --- DDP ------------------------------------------------------------------------------------
+
+using model = test::chunked<float>;
+
+/// Four DDP steps with small buckets (several collectives in flight); the final parameter hash.
+std::string ddp_hash(dpl::process_group const& group) {
+  int const rank = group.rank();
+  int const world = group.size();
+  model m({3, 5, 1, 8, 2, 4}, static_cast<std::uint64_t>(40 + rank));
+  dpl::distributed_data_parallel<model> ddp(
+      m, group, {.bucket_cap_mb = 16.0 / (1024 * 1024), .first_bucket_cap_mb = 8.0 / (1024 * 1024)});
+  for (int step = 0; step < 4; ++step) {
+    auto const data = test::dataset<float>::make(5 * static_cast<std::size_t>(world), m.dim,
+                                                 static_cast<std::uint64_t>(step + 3), false);
+    auto const first = static_cast<std::size_t>(rank) * 5;
+    ddp.step(dpl::slice_batch(data.all(), first, first + 5),
+             [](model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
+    ddp.module().sgd(0.1f);
+  }
+  return std::to_string(test::param_hash(m));
+}
+
+/// What each thread rank of a `world`-rank spawn reports for `f`.
+std::vector<std::string> thread_reference(int world, std::function<std::string(dpl::process_group const&)> const& f) {
+  std::vector<std::string> ref(static_cast<std::size_t>(world));
+  dpl::spawn(world, [&](dpl::rank_context& rc) { ref[static_cast<std::size_t>(rc.rank())] = f(rc.group()); });
+  return ref;
+}
+
+int free_port() {
+  int const fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+}  // namespace
+
+// =================================================================================================
+
+TEST_CASE("shm: every collective gives the thread-rank bits, on 2, 3 and 4 processes, both paths", "[shm]") {
+  for (int n : {2, 3, 4}) {
+    auto const ref = thread_reference(n, [](dpl::process_group const& g) { return all_collectives(g); });
+    // Default options, then tiny slots and chunks: every size above 256 bytes takes the chunked
+    // path, in many chunks.
+    for (bool tiny : {false, true}) {
+      dpl::shm::options const opts = tiny ? dpl::shm::options{.small_bytes = 256, .chunk_bytes = 4096}
+                                          : dpl::shm::options{};
+      std::vector<pid_t> pids;
+      auto const got = run_ranks(
+          n,
+          [&](int rank, dpl::shm::bootstrap_fn const& share) {
+            auto const g = dpl::shm::make_group(rank, n, share, 60s, opts);
+            return all_collectives(g);
+          },
+          &pids);
+      for (int r = 0; r < n; ++r) {
+        INFO(n << " processes, rank " << r << ", tiny chunks " << tiny);
+        CHECK(got[static_cast<std::size_t>(r)].exit_code == 0);
+        CHECK(got[static_cast<std::size_t>(r)].text == ref[static_cast<std::size_t>(r)]);
+      }
+      require_no_segments_of(pids);
+    }
+  }
+}
+
+TEST_CASE("shm: integer sums wrap exactly and are the same on every rank", "[shm]") {
+  int const n = 3;
+  auto const got = run_ranks(n, [&](int rank, dpl::shm::bootstrap_fn const& share) {
+    auto const g = dpl::shm::make_group(rank, n, share, 60s, {.small_bytes = 64, .chunk_bytes = 1024});
+    std::string s;
+    for (std::size_t len : {std::size_t{3}, std::size_t{1000}}) {
+      std::vector<std::int32_t> i32(len);
+      std::vector<std::uint8_t> u8(len);
+      for (std::size_t i = 0; i < len; ++i) {
+        i32[i] = static_cast<std::int32_t>(i) * (rank + 1) + 2147483000;
+        u8[i] = static_cast<std::uint8_t>(i * 3 + static_cast<std::size_t>(rank) * 100);
+      }
+      g.all_reduce(dpl::view(i32)).wait();
+      g.all_reduce(dpl::view(u8)).wait();
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < len; ++i) {
+        std::uint32_t w32 = 0;
+        std::uint8_t w8 = 0;
+        for (int k = 0; k < n; ++k) {
+          w32 += static_cast<std::uint32_t>(static_cast<std::int32_t>(i) * (k + 1) + 2147483000);
+          w8 = static_cast<std::uint8_t>(w8 + i * 3 + static_cast<std::size_t>(k) * 100);
+        }
+        wrong += static_cast<std::uint32_t>(i32[i]) != w32;
+        wrong += u8[i] != w8;
+      }
+      s += std::to_string(wrong) + ";";
+    }
+    return s;
+  });
+  for (auto const& r : got) {
+    CHECK(r.exit_code == 0);
+    CHECK(r.text == "0;0;");  // no wrong element, on the one-meeting and the chunked path
+  }
+}
+
+TEST_CASE("shm: DDP over N processes trains the parameters of DDP over N thread ranks, bitwise", "[shm][ddp]") {
+  for (int n : {2, 3}) {
+    auto const ref = thread_reference(n, ddp_hash);
+    std::vector<pid_t> pids;
+    auto const got = run_ranks(
+        n,
+        [&](int rank, dpl::shm::bootstrap_fn const& share) { return ddp_hash(dpl::shm::make_group(rank, n, share, 60s)); },
+        &pids);
+    for (int r = 0; r < n; ++r) {
+      INFO(n << " processes, rank " << r << ": " << got[static_cast<std::size_t>(r)].text);
+      CHECK(got[static_cast<std::size_t>(r)].text == ref[0]);
+    }
+    require_no_segments_of(pids);
+  }
+}
+
+TEST_CASE("shm: a torchrun-style launch (RANK, WORLD_SIZE, ... and the rendezvous) gives the same DDP", "[shm][ddp]") {
+  int const n = 2;
+  auto const ref = thread_reference(n, ddp_hash);
+  int const port = free_port();
+  std::vector<pid_t> pids;
+  auto const got = run_ranks(
+      n,
+      [&](int rank, dpl::shm::bootstrap_fn const&) {
+        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+        ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+        ::setenv("RANK", std::to_string(rank).c_str(), 1);
+        ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+        ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+        ::setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+        auto const g = dpl::shm::init_process_group({.timeout = 60s});
+        return std::to_string(g.local_rank()) + "/" + std::to_string(g.local_world_size()) + " " + ddp_hash(g);
+      },
+      &pids);
+  for (int r = 0; r < n; ++r) {
+    INFO("rank " << r << ": " << got[static_cast<std::size_t>(r)].text);
+    CHECK(got[static_cast<std::size_t>(r)].text == std::to_string(r) + "/2 " + ref[0]);
+  }
+  require_no_segments_of(pids);
+}
+
+TEST_CASE("shm: ranks on several nodes without MPI: an error that says to launch with MPI", "[shm]") {
+  auto const env = [](std::string const& name) -> std::optional<std::string> {
+    if (name == "RANK") return "0";
+    if (name == "WORLD_SIZE") return "4";
+    if (name == "LOCAL_RANK") return "0";
+    if (name == "LOCAL_WORLD_SIZE") return "2";
+    return std::nullopt;
+  };
+  CHECK_THROWS_WITH(dpl::shm::init_process_group({}, {}, env),
+                    Catch::Contains("4 ranks but 2 on this node") && Catch::Contains("Launch a job on several nodes with MPI"));
+}
+
+// --- faults -----------------------------------------------------------------------------------
+
+TEST_CASE("shm fault: a process killed while it holds the segment is named at once, no hang", "[shm][fault]") {
+  int const n = 3;
+  std::vector<pid_t> pids;
+  auto const t0 = std::chrono::steady_clock::now();
+  auto const got = run_ranks(
+      n,
+      [&](int rank, dpl::shm::bootstrap_fn const& share) -> std::string {
+        auto const g = dpl::shm::make_group(rank, n, share, 60s);
+        std::vector<float> v(100000, 1.0f);
+        for (int k = 0; k < 3; ++k) g.all_reduce(dpl::view(v)).wait();
+        if (rank == 1) ::raise(SIGKILL);
+        g.all_reduce(dpl::view(v)).wait();
+        return "finished without error";
+      },
+      &pids);
+  auto const elapsed = std::chrono::steady_clock::now() - t0;
+  CHECK(got[1].exit_code == 128 + SIGKILL);
+  for (int r : {0, 2}) {
+    INFO("rank " << r << ": " << got[static_cast<std::size_t>(r)].text);
+    CHECK_THAT(got[static_cast<std::size_t>(r)].text,
+               Catch::StartsWith("EXC comm_error 1:") && Catch::Contains("rank 1 (process " + std::to_string(pids[1])) &&
+                   Catch::Contains("died or exited"));
+  }
+  CHECK(elapsed < 30s);  // the timeout is 60 s: the death was found, not waited out
+  require_no_segments_of(pids);
+}
+
+TEST_CASE("shm fault: a rank that never maps the segment is named at the timeout; nothing is left", "[shm][fault]") {
+  int const n = 3;
+  std::vector<pid_t> pids;
+  auto const got = run_ranks(
+      n,
+      [&](int rank, dpl::shm::bootstrap_fn const& share) -> std::string {
+        if (rank == 1) {
+          (void)share({});  // receives the name, never maps it
+          std::this_thread::sleep_for(3s);
+          return "stayed away";
+        }
+        auto const g = dpl::shm::make_group(rank, n, share, 1500ms);
+        return "made a group without rank 1";
+      },
+      &pids);
+  for (int r : {0, 2}) {
+    INFO("rank " << r << ": " << got[static_cast<std::size_t>(r)].text);
+    CHECK_THAT(got[static_cast<std::size_t>(r)].text,
+               Catch::StartsWith("EXC timeout_error 1:") && Catch::Contains("rank 1 did not map shared-memory segment"));
+  }
+  require_no_segments_of(pids);
+}
+
+TEST_CASE("shm fault: a stale segment with the job's name is replaced; a live one is an error", "[shm][fault]") {
+  std::string const job = "test-stale-" + std::to_string(::getpid());
+  dpl::detail::shm_layout const layout{2, 256, 4096};
+  // A job that crashed during its set-up: created the segment, never unlinked it.
+  pid_t const crashed = ::fork();
+  REQUIRE(crashed >= 0);
+  if (crashed == 0) {
+    auto seg = dpl::detail::shm_segment::create("/dparallel-" + job, layout);
+    ::raise(SIGKILL);
+  }
+  int status = 0;
+  ::waitpid(crashed, &status, 0);
+  REQUIRE(shm_objects("dparallel-" + job).size() == 1);
+  auto const got = run_ranks(2, [&](int rank, dpl::shm::bootstrap_fn const& share) {
+    auto const g = dpl::shm::make_group(rank, 2, share, 60s, {.job_id = job});
+    std::vector<double> v{1.5 + rank};
+    g.all_reduce(dpl::view(v)).wait();
+    return std::to_string(v[0]);
+  });
+  CHECK(got[0].text == std::to_string(4.0));
+  CHECK(got[1].text == std::to_string(4.0));
+  CHECK(shm_objects("dparallel-" + job).empty());
+
+  // A segment of that name whose creator (this process) runs: rank 0 refuses, naming it.
+  auto live = dpl::detail::shm_segment::create("/dparallel-" + job, layout);
+  auto const refused = run_ranks(2, [&](int rank, dpl::shm::bootstrap_fn const& share) {
+    auto const g = dpl::shm::make_group(rank, 2, share, 5s, {.job_id = job});
+    return std::string("joined");
+  });
+  CHECK_THAT(refused[0].text, Catch::Contains("exists and its creator, process " + std::to_string(::getpid())) &&
+                                  Catch::Contains("another shm::options::job_id"));
+  CHECK(refused[1].exit_code != 0);
+  live.reset();
+  CHECK(shm_objects("dparallel-" + job).empty());
+}
+
+TEST_CASE("shm fault: mismatched calls and abort fail every rank, naming the rank at fault", "[shm][fault]") {
+  int const n = 3;
+  std::vector<pid_t> pids;
+  auto const got = run_ranks(
+      n,
+      [&](int rank, dpl::shm::bootstrap_fn const& share) -> std::string {
+        auto const g = dpl::shm::make_group(rank, n, share, 60s);
+        std::vector<float> v(rank == 2 ? 999 : 1000, 1.0f);
+        std::string s;
+        try {
+          g.all_reduce(dpl::view(v)).wait();
+        } catch (dpl::comm_error const& e) {
+          s = "mismatch " + std::to_string(e.rank()) + ": " + e.what() + "\n";
+        }
+        auto const h = dpl::shm::make_group(rank, n, share, 60s);
+        if (rank == 1) h.abort("injected by rank 1");
+        try {
+          h.barrier().wait();
+        } catch (dpl::comm_error const& e) {
+          s += "abort " + std::to_string(e.rank()) + ": " + e.what();
+        }
+        return s;
+      },
+      &pids);
+  for (int r = 0; r < n; ++r) {
+    auto const& text = got[static_cast<std::size_t>(r)].text;
+    INFO("rank " << r << ": " << text);
+    CHECK_THAT(text, Catch::StartsWith("mismatch 2:") &&
+                         Catch::Contains("rank 0 called all_reduce(1000 x F32, sum) but rank 2 called all_reduce(999 x F32, sum)") &&
+                         Catch::Contains("abort 1:") && Catch::Contains("injected by rank 1"));
+  }
+  require_no_segments_of(pids);
+}
