@@ -1,8 +1,13 @@
 // allreduce_mpi: MPI_Allreduce (sum, F32, in place) over the processes of MPI_COMM_WORLD, timed
-// the way `allreduce` times the host communicator, for the comparison column of its table.
-// Launched by scripts/bench: mpirun -np 2 allreduce_mpi --csv FILE. Rank 0 prints and writes.
+// the way `allreduce` times the host communicator, for the comparison column of its table; and,
+// in the same run (the two take turns, sample by sample), dparallel's all-reduce (avg, F32, in
+// place) over the same processes: the group dparallel::mpi::make_group gives, which on one node
+// moves the data through shared memory (comm/shm.hpp). Launched by scripts/bench:
+// mpirun -np 2 allreduce_mpi --csv FILE. Rank 0 prints and writes.
 
 #include "bench_util.hpp"
+
+#include <dparallel/comm/mpi.hpp>
 
 #include <mpi.h>
 
@@ -10,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,15 +31,7 @@ struct timing {
 
 // Calibrated like bench::time_in_lock_step: rank 0 decides the iteration count, every rank runs
 // it between two barriers.
-timing time_allreduce(std::vector<float>& buf, double target, int reps, int rank) {
-  auto run = [&](std::int64_t iters) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    double const t0 = MPI_Wtime();
-    for (std::int64_t i = 0; i < iters; ++i)
-      MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-    MPI_Barrier(MPI_COMM_WORLD);
-    return MPI_Wtime() - t0;
-  };
+std::int64_t calibrate(std::function<double(std::int64_t)> const& run, double target, int rank) {
   run(1);  // warm-up
   std::int64_t iters = 1;
   for (;;) {
@@ -49,18 +47,41 @@ timing time_allreduce(std::vector<float>& buf, double target, int reps, int rank
     }
     MPI_Bcast(decision, 2, MPI_INT64_T, 0, MPI_COMM_WORLD);
     iters = decision[1];
-    if (decision[0] != 0) break;
+    if (decision[0] != 0) return iters;
   }
-  std::vector<double> samples;
-  for (int k = 0; k < reps; ++k) samples.push_back(run(iters) / static_cast<double>(iters));
-  MPI_Bcast(samples.data(), reps, MPI_DOUBLE, 0, MPI_COMM_WORLD);  // rank 0's clock decides
-  return {*std::min_element(samples.begin(), samples.end()), bench::median(samples), iters};
+}
+
+// `modes` take turns, sample by sample; rank 0's clock decides.
+std::vector<timing> time_modes(std::vector<std::function<void()>> const& modes, double target, int reps, int rank) {
+  std::vector<std::function<double(std::int64_t)>> runs;
+  for (auto const& op : modes) {
+    runs.push_back([&op](std::int64_t iters) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      double const t0 = MPI_Wtime();
+      for (std::int64_t i = 0; i < iters; ++i) op();
+      MPI_Barrier(MPI_COMM_WORLD);
+      return MPI_Wtime() - t0;
+    });
+  }
+  std::vector<std::int64_t> iters;
+  for (auto const& run : runs) iters.push_back(calibrate(run, target, rank));
+  std::vector<std::vector<double>> samples(runs.size());
+  for (int k = 0; k < reps; ++k)
+    for (std::size_t m = 0; m < runs.size(); ++m)
+      samples[m].push_back(runs[m](iters[m]) / static_cast<double>(iters[m]));
+  std::vector<timing> out;
+  for (std::size_t m = 0; m < runs.size(); ++m) {
+    MPI_Bcast(samples[m].data(), reps, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    out.push_back({*std::min_element(samples[m].begin(), samples[m].end()), bench::median(samples[m]), iters[m]});
+  }
+  return out;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);  // dparallel's engine calls MPI from its thread
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -72,21 +93,34 @@ int main(int argc, char** argv) {
   std::string const csv = a.str("csv", "");
   a.done();
 
-  bench::table t({"ranks", "bytes", "seconds_best", "seconds_median", "time_us", "algbw_GBps", "busbw_GBps"});
+  auto const group = dparallel::mpi::make_group(MPI_COMM_WORLD);
+  bench::table t({"ranks", "bytes", "seconds_best", "seconds_median", "time_us", "algbw_GBps", "busbw_GBps",
+                  "dparallel_seconds_best", "dparallel_seconds_median", "dparallel_time_us", "dparallel_speedup_over_mpi"});
   for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
     std::vector<float> buf(bytes / sizeof(float), 0.0f);
-    timing const tm = time_allreduce(buf, target, reps, rank);
-    double const algbw = static_cast<double>(bytes) / tm.best / 1e9;
-    t.add({bench::fmt("%d", size), bench::fmt("%zu", bytes), bench::fmt("%.9g", tm.best), bench::fmt("%.9g", tm.median),
-           bench::fmt("%.2f", tm.best * 1e6), bench::fmt("%.3f", algbw),
-           bench::fmt("%.3f", algbw * 2.0 * (size - 1) / size)});
-    if (rank == 0) std::fprintf(stderr, "  MPI %d ranks, %s: %.1f us\n", size, bench::bytes_label(bytes).c_str(), tm.best * 1e6);
+    std::vector<float> ours(bytes / sizeof(float), 0.0f);
+    auto const tm = time_modes(
+        {[&] { MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+         [&] { group.all_reduce(dparallel::view(ours), dparallel::reduce_op::avg).wait(); }},
+        target, reps, rank);
+    double const algbw = static_cast<double>(bytes) / tm[0].best / 1e9;
+    t.add({bench::fmt("%d", size), bench::fmt("%zu", bytes), bench::fmt("%.9g", tm[0].best),
+           bench::fmt("%.9g", tm[0].median), bench::fmt("%.2f", tm[0].best * 1e6), bench::fmt("%.3f", algbw),
+           bench::fmt("%.3f", algbw * 2.0 * (size - 1) / size), bench::fmt("%.9g", tm[1].best),
+           bench::fmt("%.9g", tm[1].median), bench::fmt("%.2f", tm[1].best * 1e6),
+           bench::fmt("%.2f", tm[0].best / tm[1].best)});
+    if (rank == 0)
+      std::fprintf(stderr, "  %d processes, %s: MPI_Allreduce %.1f us, dparallel %.1f us\n", size,
+                   bench::bytes_label(bytes).c_str(), tm[0].best * 1e6, tm[1].best * 1e6);
   }
   if (rank == 0) {
-    std::printf("# MPI_Allreduce (sum, F32, in place) over %d processes; %s\n", size, bench::load_note().c_str());
+    std::printf("# MPI_Allreduce (sum, F32, in place) and dparallel::mpi::make_group's all_reduce (avg, F32, in place; "
+                "shared memory on one node) over %d processes, taking turns; %s\n",
+                size, bench::load_note().c_str());
     t.print();
     t.write_csv(csv);
   }
+  dparallel::mpi::finalize();  // before MPI_Finalize: the engine's thread and groups end first
   MPI_Finalize();
   return 0;
 }

@@ -290,7 +290,7 @@ TEST_CASE("shm: every collective gives the thread-rank bits, on 2, 3 and 4 proce
     // Default options, then tiny slots and chunks: every size above 256 bytes takes the chunked
     // path, in many chunks.
     for (bool tiny : {false, true}) {
-      dpl::shm::options const opts = tiny ? dpl::shm::options{.small_bytes = 256, .chunk_bytes = 4096}
+      dpl::shm::options const opts = tiny ? dpl::shm::options{.small_bytes = 256, .chunk_bytes = 16384}
                                           : dpl::shm::options{};
       std::vector<pid_t> pids;
       auto const got = run_ranks(

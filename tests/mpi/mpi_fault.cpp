@@ -7,6 +7,8 @@
 //                                  instead of sum, 999 instead of 1000 elements, a broadcast)
 // Every surviving rank prints the error it caught, with the rank the error names:
 //   mpi_fault: rank R: caught comm_error naming rank F: <message>
+// The group keeps MPI's data path (mpi::options::shared_memory = false): these are the MPI
+// engine's failure paths; the shared-memory engine's are in tests/test_shm.cpp.
 #include "../models.hpp"
 
 #include <dparallel/comm/mpi.hpp>
@@ -98,7 +100,7 @@ int main(int argc, char** argv) {
   int rank = -1;
   try {
     auto const group = dpl::mpi::init_process_group(
-        {.timeout = timeout}, {.probe_window = std::chrono::seconds(1), .exit_grace = std::chrono::seconds(3)});
+        {.timeout = timeout}, {.probe_window = std::chrono::seconds(1), .exit_grace = std::chrono::seconds(3), .shared_memory = false});
     rank = group.rank();
     if (scenario == "missing") missing_collective(group);
     else if (scenario == "avg" || scenario == "count" || scenario == "kind") mismatched_collective(group, scenario);

@@ -264,15 +264,28 @@ TEST_CASE("mpi: rank-order collectives give the host communicator's bits, also s
   auto const probe = dpl::mpi::make_group(MPI_COMM_WORLD, 60s);
   int const rank = probe.rank();
   auto const ref = host_reference(probe.size());
-  for (std::size_t chunk : {std::size_t{1} << 28, std::size_t{7}}) {
-    auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, 60s, {.max_message_elements = chunk});
+  // MPI's data path (whole and split into short messages), then the shared-memory one that
+  // make_group picks on one node (mpirun here starts every rank on this machine).
+  for (auto [chunk, shm] : {std::pair{std::size_t{1} << 28, false}, std::pair{std::size_t{7}, false},
+                            std::pair{std::size_t{1} << 28, true}}) {
+    auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, 60s, {.max_message_elements = chunk, .shared_memory = shm});
     auto const got = run_ops(g);
-    INFO("rank " << rank << " of " << g.size() << ", max_message_elements " << chunk);
+    INFO("rank " << rank << " of " << g.size() << ", max_message_elements " << chunk << ", shared memory " << shm);
     REQUIRE(got.size() == ref[static_cast<std::size_t>(rank)].size());
     for (std::size_t k = 0; k < got.size(); ++k) {
       INFO("output " << k);
       CHECK(got[k].bytes == ref[static_cast<std::size_t>(rank)][k].bytes);
     }
+  }
+}
+
+TEST_CASE("mpi: on one node make_group moves the data through shared memory unless told not to", "[comm]") {
+  // The engine shows in the message of an invalid call (every rank makes it, so none waits).
+  for (bool shm : {true, false}) {
+    auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, 60s, {.shared_memory = shm});
+    std::vector<float> v(4, 1.0f);
+    CHECK_THROWS_WITH(g.broadcast(dpl::view(v), g.size()),
+                      Catch::Contains(shm ? "shm::communicator: broadcast" : "mpi::communicator: broadcast"));
   }
 }
 

@@ -70,6 +70,13 @@
 // With Open MPI, a rank killed by a signal makes mpirun end the job at once ("mpirun noticed that
 // process rank 1 ... exited on signal 9"); under launchers that keep the job running, the
 // survivors' timeout names the dead rank.
+//
+// Shared memory. When every rank of the group shares one node (MPI_Comm_split_type with
+// MPI_COMM_TYPE_SHARED), make_group and init_process_group return a group of the shared-memory
+// engine (comm/shm.hpp) instead: MPI broadcasts the segment's name, and the data never goes
+// through MPI. Same bits (rank order), no staging copies or all-to-alls; its failures are
+// reported by that engine (comm/shm.hpp, "Failures never hang"). options::shared_memory = false,
+// reduction::native or cuda_aware keep the MPI path described above.
 
 
 #include <dparallel/config.hpp>
@@ -77,6 +84,7 @@
 #include <dparallel/comm/detail/call_checks.hpp>
 #include <dparallel/comm/mpi/detail/common.hpp>
 #include <dparallel/comm/mpi/detail/engine.hpp>
+#include <dparallel/comm/mpi/detail/shm_switch.hpp>
 #include <dparallel/comm/mpi/detail/state.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/work.hpp>
@@ -283,9 +291,14 @@ class communicator {
 static_assert(dparallel::communicator<communicator>);
 
 /// This rank's process group over a duplicate of `parent` (every rank of `parent` must call it).
+/// When all of parent's ranks share this node, a shared-memory group (options::shared_memory).
 inline process_group make_group(MPI_Comm parent = MPI_COMM_WORLD,
                                 std::chrono::milliseconds timeout = std::chrono::seconds(300), options opts = {}) {
-  return process_group(std::make_shared<communicator>(parent, timeout, opts));
+  // The MPI communicator's set-up (bounded by the timeout) proves every rank is there before the
+  // node split, which has no nonblocking form.
+  auto comm = std::make_shared<communicator>(parent, timeout, opts);
+  if (auto shm = dparallel::detail::mpi_shared_memory_group(parent, timeout, opts)) return std::move(*shm);
+  return process_group(std::move(comm));
 }
 
 /// The process group of an MPI job (MPI_COMM_WORLD), with the rank, world size, local rank and
@@ -297,8 +310,7 @@ inline distributed_group init_process_group(init_options const& init = {}, optio
                                             environment const& env = process_environment()) {
   dparallel::detail::require(init.timeout.count() > 0, "mpi::init_process_group: expected a positive timeout, found " +
                                                            std::to_string(init.timeout.count()) + " ms");
-  auto comm = std::make_shared<communicator>(MPI_COMM_WORLD, init.timeout, opts);
-  process_group group(comm);
+  process_group group = make_group(MPI_COMM_WORLD, init.timeout, opts);
   int const rank = group.rank();
   // 1. Each rank checks its own launch before any collective, so that every misconfigured rank
   //    reports its own error (the others fail at once through the abort, naming it).

@@ -67,6 +67,11 @@ struct options {
   /// rank at fault and what each rank called. false skips the exchange: a mismatched collective
   /// is then undefined (wrong data, an MPI error or a timeout).
   bool check_collectives = true;
+  /// When every rank of the group shares one node (MPI_Comm_split_type, MPI_COMM_TYPE_SHARED),
+  /// make_group and init_process_group return a shared-memory group (comm/shm.hpp): the same
+  /// bits, without MPI's staging copies and all-to-alls; MPI only broadcasts the segment's name.
+  /// Applies with reduction::rank_order and without cuda_aware; false keeps MPI for the data.
+  bool shared_memory = true;
 };
 
 }  // namespace mpi

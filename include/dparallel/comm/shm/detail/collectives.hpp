@@ -12,8 +12,9 @@
 // later, after every rank has passed the meeting of the collective in between, i.e. after every
 // rank finished reading it.
 // Larger ones go in chunks of options::chunk_bytes per rank, with two meetings per chunk:
-//   all_reduce / reduce: copy the chunk in; meet; rank r sums slice r (rank_slice) of every
-//     rank's copy into the result area (and into its own buffer); meet; copy the other slices out;
+//   all_reduce / reduce: copy the chunk in, but for this rank's slice; meet; rank r sums slice r
+//     (rank_slice) of every rank's copy (its own from its buffer) into the result area and into
+//     its own buffer; meet; copy the other slices out;
 //   broadcast: the root copies the chunk into the result area; meet; the others copy it out; meet;
 //   reduce_scatter: copy in every block's part of the chunk; meet; sum this rank's block; meet;
 //   all_gather: copy the chunk in; meet; copy every rank's chunk out; meet.
@@ -150,13 +151,16 @@ class shm_runner {
       switch (call_.kind) {
         case comm_kind::all_reduce:
         case comm_kind::reduce: {
-          copy(chunk_slot(r), mine, bytes);
-          if (!meet()) return false;
+          // Only the slices the peers reduce are copied in: this rank reads its own from its buffer.
           auto const [s0, s1] = rank_slice(len, n, r);
+          copy(chunk_slot(r), mine, s0 * esz_);
+          copy(chunk_slot(r) + s1 * esz_, mine + s1 * esz_, (len - s1) * esz_);
+          if (!meet()) return false;
           bool const keeps = call_.kind == comm_kind::all_reduce || r == call_.root;
+          auto const source = [&](int j) { return j == r ? mine : chunk_slot(j); };
           if (s1 > s0) {
-            if (keeps) reduce_from(slot, s0 * esz_, {result() + s0 * esz_, mine + s0 * esz_}, s1 - s0);
-            else reduce_from(slot, s0 * esz_, {result() + s0 * esz_}, s1 - s0);
+            if (keeps) reduce_from(source, s0 * esz_, {result() + s0 * esz_, mine + s0 * esz_}, s1 - s0);
+            else reduce_from(source, s0 * esz_, {result() + s0 * esz_}, s1 - s0);
           }
           if (!meet()) return false;
           if (keeps) {
