@@ -486,6 +486,29 @@ TEST_CASE("shm fault: a stale segment with the job's name is replaced; a live on
   CHECK(shm_objects("dparallel-" + job).empty());
 }
 
+TEST_CASE("shm fault: a segment left by a rank 0 that died during set-up is removed by the next group", "[shm][fault]") {
+  pid_t const crashed = ::fork();
+  REQUIRE(crashed >= 0);
+  if (crashed == 0) {  // rank 0 of a job that died before its peers mapped the segment
+    auto seg = dpl::detail::shm_segment::create(dpl::detail::shm_segment_name({}), {2, 256, 4096});
+    ::raise(SIGKILL);
+  }
+  int status = 0;
+  ::waitpid(crashed, &status, 0);
+  REQUIRE(shm_objects("dparallel-" + std::to_string(crashed) + "-").size() == 1);
+  std::vector<pid_t> pids;
+  auto const got = run_ranks(
+      2, [&](int rank, dpl::shm::bootstrap_fn const& share) {
+        auto const g = dpl::shm::make_group(rank, 2, share, 60s);
+        return std::string("ok");
+      },
+      &pids);
+  CHECK(got[0].text == "ok");
+  CHECK(got[1].text == "ok");
+  CHECK(shm_objects("dparallel-" + std::to_string(crashed) + "-").empty());
+  require_no_segments_of(pids);
+}
+
 TEST_CASE("shm fault: mismatched calls and abort fail every rank, naming the rank at fault", "[shm][fault]") {
   int const n = 3;
   std::vector<pid_t> pids;

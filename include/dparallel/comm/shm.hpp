@@ -39,6 +39,7 @@
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/rendezvous.hpp>
+#include <dparallel/comm/shm_options.hpp>
 #include <dparallel/comm/shm/detail/bootstrap.hpp>
 #include <dparallel/comm/shm/detail/collectives.hpp>
 #include <dparallel/comm/shm/detail/group.hpp>

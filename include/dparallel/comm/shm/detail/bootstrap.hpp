@@ -1,16 +1,18 @@
 #pragma once
-// Setting up a shared-memory process group (see <dparallel/comm/shm.hpp>): its options, the
-// bootstrap that carries the segment's name from rank 0 to the other ranks, and the TCP
-// rendezvous form of that bootstrap (torchrun-style launches), which also checks that every rank
-// runs on this node.
+// Setting up a shared-memory process group (see <dparallel/comm/shm.hpp>): the segment's name,
+// creating or mapping it with the bootstrap (comm/shm_options.hpp) carrying the name from rank 0,
+// and the TCP rendezvous form of that bootstrap (torchrun-style launches), which also checks that
+// every rank runs on this node.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/rendezvous.hpp>
+#include <dparallel/comm/shm_options.hpp>
 #include <dparallel/comm/shm/detail/group.hpp>
 #include <dparallel/comm/shm/detail/segment.hpp>
 #include <dparallel/core/error.hpp>
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -27,28 +29,6 @@
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
-namespace shm {
-
-/// Options of a shared-memory process group (the same on every rank).
-struct options {
-  /// A collective whose input is at most this many bytes per rank meets once (copy in, meet,
-  /// every rank computes its result); larger ones go in chunks, with two meetings per chunk.
-  std::size_t small_bytes = std::size_t{64} << 10;
-  /// Bytes per rank of one chunk of a large collective: the segment holds (ranks + 1) chunks plus
-  /// 2 x ranks small slots (only the pages used are backed by memory).
-  std::size_t chunk_bytes = std::size_t{4} << 20;
-  /// Names the segment "/dparallel-<job_id>" (letters, digits, '.', '_', '-'); empty (the
-  /// default): rank 0 picks a random name. A segment of that name left by an earlier job that
-  /// crashed during its setup is replaced; one whose creating process still runs is an error.
-  std::string job_id{};
-};
-
-/// Carries rank 0's bytes to every rank of the group: rank 0 passes its bytes, every rank
-/// (rank 0 too) returns them. E.g. an MPI_Bcast, or tcp_rendezvous (rendezvous_bootstrap).
-using bootstrap_fn = std::function<std::vector<std::byte>(std::span<std::byte const> root_bytes)>;
-
-}  // namespace shm
-
 namespace detail {
 
 inline void shm_setup_fail(std::string const& what) { throw invalid_argument("dparallel: shm::make_group: " + what); }
@@ -67,6 +47,30 @@ inline std::string shm_segment_name(shm::options const& opts) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "/dparallel-%ld-%08x%08x", static_cast<long>(::getpid()), rd(), rd());
   return buf;
+}
+
+/// Unlinks the randomly named segments ("/dparallel-<pid>-<16 hex digits>") in /dev/shm whose
+/// creating process is gone: left by a rank 0 that died before every rank had mapped its segment
+/// (the only window in which a name exists). Linux only; elsewhere a no-op.
+inline void sweep_stale_segments() {
+#if defined(__linux__)
+  DIR* d = ::opendir("/dev/shm");
+  if (d == nullptr) return;
+  std::vector<std::string> stale;
+  while (dirent* e = ::readdir(d)) {
+    std::string const name = e->d_name;
+    std::string const prefix = "dparallel-";
+    if (name.rfind(prefix, 0) != 0) continue;
+    auto const dash = name.find('-', prefix.size());
+    if (dash == std::string::npos || dash == prefix.size() || name.size() != dash + 17) continue;
+    std::string const pid = name.substr(prefix.size(), dash - prefix.size());
+    if (pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (name.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) continue;
+    if (process_gone(std::stoll(pid))) stale.push_back("/" + name);
+  }
+  ::closedir(d);
+  for (auto const& n : stale) ::shm_unlink(n.c_str());
+#endif
 }
 
 /// Creates (rank 0) or maps (the others) the segment, with `share` carrying its name and token,
@@ -88,6 +92,7 @@ inline std::shared_ptr<shm_group> join_shm_group(int rank, int n, shm::bootstrap
   std::unique_ptr<shm_segment> seg;
   std::vector<std::byte> mine;
   if (rank == 0) {
+    if (opts.job_id.empty()) sweep_stale_segments();
     seg = shm_segment::create(shm_segment_name(opts), layout);
     std::string const& name = seg->name();
     mine.resize(sizeof seg->header().token + name.size());

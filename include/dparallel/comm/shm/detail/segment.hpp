@@ -10,6 +10,8 @@
 // count completes the group unlinks the name at once, so from then on the segment lives only in
 // the mappings and disappears with the last process, whatever way it ends. A setup that fails
 // (a rank that never maps it within the timeout, a rank that dies) unlinks the name too.
+// A rank 0 that dies before every rank has mapped the segment leaves the name behind: the next
+// group made on the node removes it (shm/detail/bootstrap.hpp, sweep_stale_segments).
 // A name that exists already (a segment left by an earlier job that crashed during its setup,
 // with the same shm::options::job_id) is replaced when the process that created it is gone, and
 // is a clear error when that process still runs.
