@@ -26,6 +26,14 @@ if(NOT Torch_FOUND OR NOT TARGET torch)
   return()
 endif()
 
+# libtorch 1.x's headers do not compile as C++20 with clang and libstdc++ (ATen/core/List.h moves a
+# std::vector<c10::IValue> while IValue is incomplete; clang 14 rejects it): skip rather than fail.
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang" AND Torch_VERSION VERSION_LESS 2.0)
+  message(STATUS "dparallel: libtorch adapter skipped: libtorch ${Torch_VERSION}'s headers do not compile as C++20 "
+                 "with clang (use GCC, or libtorch 2.x)")
+  return()
+endif()
+
 add_library(dparallel_libtorch INTERFACE)
 add_library(dparallel::libtorch ALIAS dparallel_libtorch)
 set_target_properties(dparallel_libtorch PROPERTIES EXPORT_NAME libtorch)

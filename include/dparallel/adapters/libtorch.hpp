@@ -15,10 +15,11 @@
 //   and named_buffers() order; names and shapes for state dicts come from the same lists, so a
 //   state dict written by dparallel loads into the Python module with load_state_dict(strict=True).
 //   Every tensor must be contiguous, on the CPU or a CUDA device, of a dtype dparallel knows.
-// - Gradients autograd has not created yet are allocated once (zeros) the first time dparallel
-//   asks for them. Backward then accumulates into them in place, so their memory stays the same
-//   step after step: do not replace or reset .grad tensors (torch::optim::Optimizer::zero_grad and
-//   Module::zero_grad() of libtorch 1.13 zero them in place, which is fine).
+// - Gradients autograd has not created yet are allocated once (zeros, one flat buffer per dtype and
+//   device, in parameter order) the first time dparallel asks for them. Backward then accumulates
+//   into them in place, so their memory stays the same step after step: do not replace or reset
+//   .grad tensors (libtorch 1.13's Optimizer::zero_grad() and Module::zero_grad() zero them in
+//   place, which is fine; libtorch 2.x's Optimizer::zero_grad() needs set_to_none = false).
 // - Replicas (DataParallel) are made once, by Module::clone(): modules must derive from
 //   torch::nn::Cloneable<Impl> (every built-in module does).
 // - Readiness: a post hook on each parameter's gradient accumulator (the autograd node that adds
