@@ -9,6 +9,9 @@
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
 #include <dparallel/spawn.hpp>
+#if DPARALLEL_TEST_LIBTORCH_MPI
+#include <dparallel/comm/mpi.hpp>
+#endif
 
 #include <catch2/catch.hpp>
 
@@ -257,6 +260,30 @@ TEST_CASE("libtorch: a second backward in one step is reported, naming the param
   });
   for (auto const& e : errors) CHECK_THAT(e, Catch::Contains("marked ready twice"));
 }
+
+#if DPARALLEL_TEST_LIBTORCH_MPI
+// Run by the test mpi:np2:libtorch under `mpirun -np 2` (this executable then has the MPI Catch2
+// runner, tests/mpi/mpi_main.cpp); hidden from the single-process run.
+TEST_CASE("libtorch: DDP over MPI processes equals one device after 20 steps", "[.mpi]") {
+  auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, std::chrono::seconds(60));
+  fixture const f;
+  REQUIRE(f.x.size(0) % g.size() == 0);
+  torch::Tensor const ref = one_device(f);
+  std::int64_t const b = f.x.size(0) / g.size();
+  for (auto const& opts : {dpl::options{}, tiny_buckets()}) {
+    Net m = f.copy();
+    dpl::distributed_data_parallel<Net> ddp(m, g, opts);
+    torch::optim::SGD opt(m->parameters(), lr);
+    batch_t const mine{f.x.narrow(0, g.rank() * b, b), f.y.narrow(0, g.rank() * b, b)};
+    for (int s = 0; s < steps; ++s) {
+      ddp.step(mine, step_fn);
+      opt.step();
+    }
+    INFO("rank " << g.rank() << " of " << g.size() << ", " << opts.bucket_cap_mb << " MiB buckets");
+    CHECK(relative(flat(m), ref) <= 1e-5);
+  }
+}
+#endif
 
 // Not run by default: tests/test_libtorch_state_dict.py runs it with DPARALLEL_TORCH_STATE_DIR
 // set, then loads net.safetensors into the Python module and checks its output on io.safetensors.
