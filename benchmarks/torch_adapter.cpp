@@ -10,6 +10,9 @@
 //        loopback, N processes of one thread; --torch-ddp names the script,
 //        benchmarks/torch_adapter_ddp.py), on the same global batch split in N.
 // Prints samples/s of each mode (the median of --rounds rounds) and the ratios dparallel / theirs.
+// Run it with OPENBLAS_NUM_THREADS=1 (scripts/bench does): Debian's libtorch calls OpenBLAS, whose
+// pthread server serialises the GEMMs that several threads of one process issue, which halves
+// every threaded mode here (see docs/libtorch.md, "Threads and BLAS").
 #include "train_torch.hpp"
 
 #include <dparallel/adapters/libtorch.hpp>
