@@ -41,6 +41,8 @@ dparallel_ensure_bench_packages() {
 dparallel_ci_packages=(
   clang                  # Debian's clang (14 on bookworm): the `clang` preset
   xz-utils python3       # scripts/gpu-pack compresses, scripts/gpu-check unpacks
+  libtorch-dev           # the libtorch adapter (dparallel::libtorch), its test and examples/train_torch
+  python3-torch          # libtorch:python_load_state_dict and benchmarks/torch_adapter's PyTorch DDP side
 )
 
 dparallel_ensure_ci_packages() {

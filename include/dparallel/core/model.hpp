@@ -8,11 +8,14 @@
 // Each point is looked up as a member first (m.parameters()), then as a static member of a
 // specialisation of dparallel::model_traits<M> for types the user cannot edit. DataParallel also
 // needs a replica on each device: m.make_replica(device), else model_traits<M>::make_replica,
-// else M's copy constructor.
+// else M's copy constructor. Optionally, model_traits<M>::begin_shard(M&, step_context&) and
+// end_shard(M&) bracket every run of the step function on a replica (adapters use them to route
+// a framework's gradient hooks to step_context::grad_ready, see docs/libtorch.md).
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/step_context.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <concepts>
@@ -252,6 +255,33 @@ std::vector<tensor_ref> buffer_refs(M& m) {
   for (auto&& t : dparallel::buffers(m)) out.emplace_back(t);
   return out;
 }
+
+namespace detail {
+template <class M>
+concept traits_begin_shard = requires(M& m, step_context& c) { model_traits<M>::begin_shard(m, c); };
+template <class M>
+concept traits_end_shard = requires(M& m) { model_traits<M>::end_shard(m); };
+
+/// Brackets one run of the step function on `m`: model_traits<M>::begin_shard(m, ctx) when the
+/// scope opens and end_shard(m) when it closes, for the models whose traits have them (nothing
+/// for the others).
+template <class M>
+class shard_scope {
+ public:
+  shard_scope(M& m, step_context& ctx) : m_(m) {
+    if constexpr (traits_begin_shard<M>) model_traits<M>::begin_shard(m, ctx);
+    else (void)ctx;
+  }
+  shard_scope(shard_scope const&) = delete;
+  shard_scope& operator=(shard_scope const&) = delete;
+  ~shard_scope() {
+    if constexpr (traits_end_shard<M>) model_traits<M>::end_shard(m_);
+  }
+
+ private:
+  M& m_;
+};
+}  // namespace detail
 
 /// Throws invalid_argument unless every gradient matches its parameter in size and dtype.
 template <model M>

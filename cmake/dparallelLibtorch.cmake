@@ -1,0 +1,47 @@
+# The libtorch add-on: the target dparallel::libtorch (dparallel + libtorch, for
+# <dparallel/adapters/libtorch.hpp>) when find_package(Torch) finds libtorch (Debian: libtorch-dev;
+# pip's torch: -DTorch_DIR=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch).
+# Without it a status line says so once and nothing else changes. Defines DPARALLEL_HAVE_TORCH
+# (TRUE/FALSE) and, when libtorch has CUDA and the CUDA add-on exists, DPARALLEL_HAVE_TORCH_CUDA
+# (the target then also links dparallel::cuda and defines DPARALLEL_LIBTORCH_CUDA).
+#
+# Included by the top-level CMakeLists.txt after the CUDA add-on, so that Torch's imported targets
+# are visible to tests, examples and benchmarks.
+include_guard(GLOBAL)
+
+option(DPARALLEL_TORCH "Look for libtorch and define dparallel::libtorch (default: ON when top level)"
+       ${PROJECT_IS_TOP_LEVEL})
+set(DPARALLEL_HAVE_TORCH FALSE)
+set(DPARALLEL_HAVE_TORCH_CUDA FALSE)
+if(NOT DPARALLEL_TORCH)
+  message(STATUS "dparallel: libtorch adapter skipped: DPARALLEL_TORCH=OFF")
+  return()
+endif()
+
+find_package(Torch CONFIG QUIET)
+if(NOT Torch_FOUND OR NOT TARGET torch)
+  message(STATUS "dparallel: libtorch adapter skipped: find_package(Torch) found no libtorch (Debian: apt-get "
+                 "install libtorch-dev; pip's torch: set Torch_DIR); dparallel::libtorch, its tests, "
+                 "examples/train_torch and benchmarks/torch_adapter are not built")
+  return()
+endif()
+
+# libtorch 1.x's headers do not compile as C++20 with clang and libstdc++ (ATen/core/List.h moves a
+# std::vector<c10::IValue> while IValue is incomplete; clang 14 rejects it): skip rather than fail.
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang" AND Torch_VERSION VERSION_LESS 2.0)
+  message(STATUS "dparallel: libtorch adapter skipped: libtorch ${Torch_VERSION}'s headers do not compile as C++20 "
+                 "with clang (use GCC, or libtorch 2.x)")
+  return()
+endif()
+
+add_library(dparallel_libtorch INTERFACE)
+add_library(dparallel::libtorch ALIAS dparallel_libtorch)
+set_target_properties(dparallel_libtorch PROPERTIES EXPORT_NAME libtorch)
+target_link_libraries(dparallel_libtorch INTERFACE dparallel::dparallel torch)
+if(DPARALLEL_HAVE_CUDA AND (TARGET torch_cuda OR TARGET torch_cuda_library OR TARGET c10_cuda))
+  target_link_libraries(dparallel_libtorch INTERFACE dparallel::cuda)
+  target_compile_definitions(dparallel_libtorch INTERFACE DPARALLEL_LIBTORCH_CUDA=1)
+  set(DPARALLEL_HAVE_TORCH_CUDA TRUE)
+endif()
+set(DPARALLEL_HAVE_TORCH TRUE)
+message(STATUS "dparallel: libtorch ${Torch_VERSION} found: dparallel::libtorch defined (CUDA: ${DPARALLEL_HAVE_TORCH_CUDA})")
