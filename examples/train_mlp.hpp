@@ -3,7 +3,7 @@
 //   train_mlp.cpp          main: the process set-up, the run, the summary (text and JSON)
 //   train_mlp_options.cpp  the command line (parse_command_line, print_usage, apply_world)
 //   train_mlp_files.cpp    --init, --resume, --save, --save-checkpoint
-//   train_mlp_loop.hpp     the data plan, batches, SGD, evaluation and the training loop
+//   train_mlp_loop.hpp     the data plan, batches, the optimizer step, evaluation and the training loop
 //   train_mlp_modes.cpp    the modes: single, dp, ddp (threads, MPI), and --backend cuda
 #pragma once
 
@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -58,6 +59,12 @@ struct config {
   std::string resume;           // --resume: a checkpoint to continue from
   std::string save;             // --save: the trained model's state dict
   std::string save_checkpoint;  // --save-checkpoint: the training state at the end
+  // The update after each step (train_mlp_loop.hpp's make_update). The defaults are plain SGD, the
+  // same bits as before these options existed. (Room for --zero 1: it would pick the sharded form.)
+  std::string optimizer = "sgd";  // --optimizer: sgd, momentum (0.9), adam or adamw
+  double weight_decay = -1;       // --weight-decay; -1: the optimizer's default (0; adamw: 0.01)
+  double clip_grad_norm = 0;      // --clip-grad-norm: max total 2-norm of the gradients (0: no clipping)
+  bool lr_given = false;          // --lr given (adam, adamw: default 1e-3 instead of 0.1)
 };
 
 /// A bad command line: reported with exit code 2.
@@ -126,7 +133,8 @@ inline dparallel::distributed_group const* nccl_group = nullptr;
 start_point load_start(config const& cfg);
 void check_outputs_writable(config const& cfg);
 void check_resume(config const& cfg, start_point const& start, training_data const& data);
-void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m);
+void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m,
+                  std::function<void(dparallel::checkpoint&)> const& add_optimizer_state = {});
 
 // ------------------------------------------------------------------------------------------------
 // Modes (train_mlp_modes.cpp)
