@@ -37,6 +37,8 @@ void print_usage(std::FILE* out) {
                "                 mpirun -np N train_mlp --mode ddp --comm mpi) or nccl (ranks are processes,\n"
                "                 one GPU each, under mpirun or torchrun-style MASTER_ADDR/MASTER_PORT)\n"
                "                 mpi: %s; nccl: %s\n"
+               "  --comm-hook H  ddp on the host only: none (default), fp16 or bf16 (gradients averaged as\n"
+               "                 16-bit values: fp16_compress / bf16_compress, see docs/comm-hooks.md)\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        SGD learning rate (default: 0.1)\n"
@@ -214,6 +216,10 @@ config parse_command_line(int argc, char** argv) {
         throw usage_error("--comm nccl: this build of train_mlp has no NCCL (CMake found no CUDA toolkit or no NCCL; "
                           "set NCCL_ROOT, then reconfigure)");
 #endif
+    } else if (arg == "--comm-hook") {
+      cfg.comm_hook = std::string(next());
+      if (cfg.comm_hook != "none" && cfg.comm_hook != "fp16" && cfg.comm_hook != "bf16")
+        throw usage_error("--comm-hook: expected none, fp16 or bf16, found '" + cfg.comm_hook + "'");
     } else if (arg == "--data") {
       cfg.data = std::string(next());
       if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
@@ -251,7 +257,12 @@ config parse_command_line(int argc, char** argv) {
                       "(under mpirun, MPI carries NCCL's unique id)");
   if (cfg.comm == "nccl" && cfg.backend == "host")
     throw usage_error("--comm nccl --backend host: NCCL reduces GPU memory; on the host use --comm thread or mpi");
-  if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);  // throws std::runtime_error (exit 1) without a GPU
+  if (cfg.comm_hook != "none" && cfg.mode != "ddp")
+    throw usage_error("--comm-hook " + cfg.comm_hook + ": only --mode ddp has communication hooks, found --mode " +
+                      cfg.mode);
+  if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);
+  if (cfg.comm_hook != "none" && cfg.backend == "cuda")
+    throw usage_error("--comm-hook " + cfg.comm_hook + ": the built-in hooks convert on the host; use --backend host");  // throws std::runtime_error (exit 1) without a GPU
   // The world size, hence devices and sampler replicas, come from the launch: see main.
   if (cfg.comm == "mpi" || cfg.comm == "nccl") return cfg;
   if (cfg.mode == "single") {
