@@ -54,30 +54,22 @@ constexpr float f16_bits_to_float(std::uint16_t h) noexcept {
 }
 
 /// The f16 bits nearest to `f` (ties to even; beyond 65504 to infinity); NaN gives 0x7FFF.
+/// Normal results: the exponent is rebiased and the 13 dropped mantissa bits rounded to nearest
+/// even in one integer addition (a carry moves to the next binade, or to infinity). Results below
+/// 2^-14 (subnormal or zero): float's own rounding does it, adding 0.5f, whose ulp (2^-24) is
+/// the f16 subnormal unit.
 constexpr std::uint16_t float_to_f16_bits(float f) noexcept {
   std::uint32_t const bits = std::bit_cast<std::uint32_t>(f);
   auto const sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
   std::uint32_t const x = bits & 0x7fffffffu;
-  if (x > 0x7f800000u) return 0x7fff;
-  if (x >= 0x47800000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 2^16: infinity
-  std::uint32_t const e = x >> 23;                                          // biased float exponent
-  std::uint32_t mant, shift, base;
-  if (e >= 113) {  // a normal f16 (>= 2^-14): keep 10 of the 23 mantissa bits
-    mant = x & 0x7fffffu;
-    shift = 13;
-    base = (e - 112u) << 10;
-  } else if (e >= 102) {  // an f16 subnormal (units of 2^-24), or 0 / the smallest after rounding
-    mant = (x & 0x7fffffu) | 0x800000u;
-    shift = 126u - e;  // 14 .. 24
-    base = 0;
-  } else {  // below 2^-25: rounds to zero
-    return sign;
+  if (x >= 0x47800000u) return x > 0x7f800000u ? std::uint16_t{0x7fff} : static_cast<std::uint16_t>(sign | 0x7c00u);
+  if (x < 0x38800000u) {
+    float const v = std::bit_cast<float>(x) + 0.5f;
+    return static_cast<std::uint16_t>(sign | (std::bit_cast<std::uint32_t>(v) - 0x3f000000u));
   }
-  std::uint32_t h = base + (mant >> shift);
-  std::uint32_t const rem = mant & ((1u << shift) - 1u);
-  std::uint32_t const half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (h & 1u) != 0)) ++h;  // a carry moves to the next binade (or to infinity)
-  return static_cast<std::uint16_t>(sign | h);
+  std::uint32_t const odd = (x >> 13) & 1u;
+  std::uint32_t const rebiased = x - (112u << 23) + 0xfffu + odd;
+  return static_cast<std::uint16_t>(sign | (rebiased >> 13));
 }
 
 }  // namespace detail
