@@ -1,6 +1,8 @@
 // train_mlp's modes: one function each (single, dp, ddp over threads or MPI processes, and the
 // GPU runners of --backend cuda), all through the one training loop of train_mlp_loop.hpp.
 #include "train_mlp_loop.hpp"
+
+#include <dparallel/policy/powersgd.hpp>
 #if DPARALLEL_EXAMPLE_MPI
 #include <dparallel/comm/mpi.hpp>
 #endif
@@ -74,6 +76,9 @@ template <class Ddp>
 void use_comm_hook(config const& cfg, Ddp& ddp) {
   if (cfg.comm_hook == "fp16") ddp.reducer().register_comm_hook(dparallel::compress_state{}, dparallel::fp16_compress);
   if (cfg.comm_hook == "bf16") ddp.reducer().register_comm_hook(dparallel::compress_state{}, dparallel::bf16_compress);
+  if (cfg.comm_hook == "powersgd")
+    ddp.reducer().register_comm_hook(dparallel::powersgd_state{.rank = cfg.powersgd_rank, .start_iter = 10, .seed = cfg.seed},
+                                     dparallel::powersgd);
 }
 
 /// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a

@@ -38,7 +38,10 @@ void print_usage(std::FILE* out) {
                "                 one GPU each, under mpirun or torchrun-style MASTER_ADDR/MASTER_PORT)\n"
                "                 mpi: %s; nccl: %s\n"
                "  --comm-hook H  ddp on the host only: none (default), fp16 or bf16 (gradients averaged as\n"
-               "                 16-bit values: fp16_compress / bf16_compress, see docs/comm-hooks.md)\n"
+               "                 16-bit values: fp16_compress / bf16_compress) or powersgd (rank-R\n"
+               "                 approximations after 10 plain steps, error feedback, warm start; see\n"
+               "                 docs/comm-hooks.md)\n"
+               "  --powersgd-rank R  the rank of --comm-hook powersgd (default: 2)\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        SGD learning rate (default: 0.1)\n"
@@ -218,8 +221,10 @@ config parse_command_line(int argc, char** argv) {
 #endif
     } else if (arg == "--comm-hook") {
       cfg.comm_hook = std::string(next());
-      if (cfg.comm_hook != "none" && cfg.comm_hook != "fp16" && cfg.comm_hook != "bf16")
-        throw usage_error("--comm-hook: expected none, fp16 or bf16, found '" + cfg.comm_hook + "'");
+      if (cfg.comm_hook != "none" && cfg.comm_hook != "fp16" && cfg.comm_hook != "bf16" && cfg.comm_hook != "powersgd")
+        throw usage_error("--comm-hook: expected none, fp16, bf16 or powersgd, found '" + cfg.comm_hook + "'");
+    } else if (arg == "--powersgd-rank") {
+      cfg.powersgd_rank = parse_int<std::size_t>(arg, next(), 1, 1u << 20);
     } else if (arg == "--data") {
       cfg.data = std::string(next());
       if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
