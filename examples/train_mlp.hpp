@@ -52,6 +52,8 @@ struct config {
   std::size_t train_samples = 0;  // 0 = the whole training set
   std::size_t workers = 0;        // --workers: loader threads making batches ahead (0: on the training thread)
   bool profile = false;           // --profile: print where the step time went at the end
+  std::string comm_hook = "none";  // --comm-hook: ddp's communication hook (none, fp16, bf16, powersgd)
+  std::size_t powersgd_rank = 2;   // --powersgd-rank: the rank of --comm-hook powersgd
   bool seed_given = false;
   // Stop after this many optimizer steps in total, counting those before --resume.
   std::uint64_t steps = std::numeric_limits<std::uint64_t>::max();

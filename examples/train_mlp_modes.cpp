@@ -1,6 +1,8 @@
 // train_mlp's modes: one function each (single, dp, ddp over threads or MPI processes, and the
 // GPU runners of --backend cuda), all through the one training loop of train_mlp_loop.hpp.
 #include "train_mlp_loop.hpp"
+
+#include <dparallel/policy/powersgd.hpp>
 #if DPARALLEL_EXAMPLE_MPI
 #include <dparallel/comm/mpi.hpp>
 #endif
@@ -69,6 +71,16 @@ result run_dp(config const& cfg, training_data const& data, start_point const& s
 result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start);
 #endif
 
+/// --comm-hook: registers the chosen communication hook on `ddp` (nothing for none).
+template <class Ddp>
+void use_comm_hook(config const& cfg, Ddp& ddp) {
+  if (cfg.comm_hook == "fp16") ddp.reducer().register_comm_hook(dparallel::compress_state{}, dparallel::fp16_compress);
+  if (cfg.comm_hook == "bf16") ddp.reducer().register_comm_hook(dparallel::compress_state{}, dparallel::bf16_compress);
+  if (cfg.comm_hook == "powersgd")
+    ddp.reducer().register_comm_hook(dparallel::powersgd_state{.rank = cfg.powersgd_rank, .start_iter = 10, .seed = cfg.seed},
+                                     dparallel::powersgd);
+}
+
 /// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
 /// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
 /// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
@@ -81,6 +93,7 @@ result run_ddp(config const& cfg, training_data const& data, start_point const& 
   dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
     mlp model = start.model;
     dparallel::distributed_data_parallel<mlp> ddp(model, rank.group());
+    use_comm_hook(cfg, ddp);
     result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
       ddp.note_data_wait(waited);
       float const loss =
@@ -107,6 +120,7 @@ result run_ddp_mpi(config const& cfg, training_data const& data, start_point con
   dparallel::process_group const& group = *mpi_group;
   mlp model = start.model;
   dparallel::distributed_data_parallel<mlp> ddp(model, group);
+  use_comm_hook(cfg, ddp);
   result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
     ddp.note_data_wait(waited);
     float const loss =

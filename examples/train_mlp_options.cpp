@@ -37,6 +37,11 @@ void print_usage(std::FILE* out) {
                "                 mpirun -np N train_mlp --mode ddp --comm mpi) or nccl (ranks are processes,\n"
                "                 one GPU each, under mpirun or torchrun-style MASTER_ADDR/MASTER_PORT)\n"
                "                 mpi: %s; nccl: %s\n"
+               "  --comm-hook H  ddp on the host only: none (default), fp16 or bf16 (gradients averaged as\n"
+               "                 16-bit values: fp16_compress / bf16_compress) or powersgd (rank-R\n"
+               "                 approximations after 10 plain steps, error feedback, warm start; see\n"
+               "                 docs/comm-hooks.md)\n"
+               "  --powersgd-rank R  the rank of --comm-hook powersgd (default: 2)\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        learning rate (default: 0.1; adam, adamw: 0.001)\n"
@@ -232,6 +237,12 @@ config parse_command_line(int argc, char** argv) {
         throw usage_error("--comm nccl: this build of train_mlp has no NCCL (CMake found no CUDA toolkit or no NCCL; "
                           "set NCCL_ROOT, then reconfigure)");
 #endif
+    } else if (arg == "--comm-hook") {
+      cfg.comm_hook = std::string(next());
+      if (cfg.comm_hook != "none" && cfg.comm_hook != "fp16" && cfg.comm_hook != "bf16" && cfg.comm_hook != "powersgd")
+        throw usage_error("--comm-hook: expected none, fp16, bf16 or powersgd, found '" + cfg.comm_hook + "'");
+    } else if (arg == "--powersgd-rank") {
+      cfg.powersgd_rank = parse_int<std::size_t>(arg, next(), 1, 1u << 20);
     } else if (arg == "--data") {
       cfg.data = std::string(next());
       if (cfg.data.empty()) throw usage_error("--data: expected a folder, found an empty string");
@@ -270,10 +281,15 @@ config parse_command_line(int argc, char** argv) {
                       "(under mpirun, MPI carries NCCL's unique id)");
   if (cfg.comm == "nccl" && cfg.backend == "host")
     throw usage_error("--comm nccl --backend host: NCCL reduces GPU memory; on the host use --comm thread or mpi");
+  if (cfg.comm_hook != "none" && cfg.mode != "ddp")
+    throw usage_error("--comm-hook " + cfg.comm_hook + ": only --mode ddp has communication hooks, found --mode " +
+                      cfg.mode);
   if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);  // throws std::runtime_error (exit 1) without a GPU
   if (cfg.backend == "cuda" && (cfg.optimizer != "sgd" || cfg.weight_decay > 0 || cfg.clip_grad_norm > 0))
     throw usage_error("--optimizer, --weight-decay and --clip-grad-norm: this example runs them on the host "
                       "backend only; add --backend host");
+  if (cfg.comm_hook != "none" && cfg.backend == "cuda")
+    throw usage_error("--comm-hook " + cfg.comm_hook + ": the built-in hooks convert on the host; use --backend host");
   // The world size, hence devices and sampler replicas, come from the launch: see main.
   if (cfg.comm == "mpi" || cfg.comm == "nccl") return cfg;
   if (cfg.mode == "single") {

@@ -603,7 +603,7 @@ TEST_CASE("host: invalid arguments throw on the caller and fail its peers at onc
     }));
     INFO(seen[1].what);
     REQUIRE(seen[1].invalid);
-    REQUIRE(contains(seen[1].what, "reduces F32 and F64, found I32"));
+    REQUIRE(contains(seen[1].what, "reduces F32, F64, F16 and BF16, found I32"));
     INFO(seen[0].what);
     REQUIRE(seen[0].comm);
     REQUIRE(seen[0].rank == 1);

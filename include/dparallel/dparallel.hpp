@@ -13,6 +13,7 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/partition.hpp>
@@ -22,6 +23,7 @@
 #include <dparallel/data/loader.hpp>
 #include <dparallel/backend/host/backend.hpp>
 #include <dparallel/policy/bucketed_reduce.hpp>
+#include <dparallel/policy/compress_hooks.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replica_set.hpp>

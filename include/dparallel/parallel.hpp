@@ -211,6 +211,8 @@ class parallel {
   [[nodiscard]] Model& replica(std::size_t i) { return *rs_.models.at(i); }
   /// The reduce policy object (e.g. to inspect DDP's bucket plan).
   [[nodiscard]] reduce_type const& reducer() const noexcept { return reduce_; }
+  /// The reduce policy object, mutable (e.g. DDP's register_comm_hook, between steps).
+  [[nodiscard]] reduce_type& reducer() noexcept { return reduce_; }
   /// DDP: this rank's process group.
   [[nodiscard]] process_group const& group() const noexcept { return rs_.group; }
   /// The local devices; devices()[0] holds the master.

@@ -14,6 +14,8 @@
 #include <dparallel/comm/host.hpp>
 #include <dparallel/comm/mpi.hpp>
 #include <dparallel/comm/nccl_bootstrap.hpp>
+#include <dparallel/core/half.hpp>
+#include <dparallel/policy/compress_hooks.hpp>
 #include <dparallel/dparallel.hpp>
 #include <dparallel/spawn.hpp>
 
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
 #include <thread>
@@ -65,6 +68,46 @@ std::vector<T> values(int rank, std::size_t n, std::uint64_t seed) {
   std::vector<T> v(n);
   for (auto& x : v) x = static_cast<T>(g.uniform() * 2 - 1);
   return v;
+}
+
+/// 16-bit values for rank r: mostly ordinary, with infinities, a NaN, subnormals and values whose
+/// sum overflows the 16-bit range on some elements (summed in float, rounded once).
+template <class H>
+std::vector<H> half_values(int rank, std::size_t n, std::uint64_t seed) {
+  auto const f = values<float>(rank, n, seed);
+  std::vector<H> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    float x = f[i] * 70000.0f;
+    if (i % 97 == 3) x = rank == 0 ? std::numeric_limits<float>::infinity() : x;
+    if (i % 89 == 5) x = rank == 1 ? -std::numeric_limits<float>::infinity() : x;
+    if (i % 101 == 7 && rank == 0) x = std::numeric_limits<float>::quiet_NaN();
+    if (i % 13 == 1) x = f[i] * 1e-6f;
+    v[i] = H(x);
+  }
+  return v;
+}
+
+/// The 16-bit reductions (F16 or BF16): all_reduce of several lengths, reduce onto the last rank,
+/// reduce_scatter.
+template <class H>
+void run_half_ops(dpl::process_group const& g, std::vector<output>& out, std::uint64_t& seed) {
+  int const r = g.rank();
+  int const n = g.size();
+  for (std::size_t len : {1, 5, 1000}) {
+    for (auto op : {dpl::reduce_op::sum, dpl::reduce_op::avg}) {
+      auto h = half_values<H>(r, len, seed++);
+      g.all_reduce(dpl::view(h), op).wait();
+      keep(out, h, true);
+    }
+  }
+  auto h = half_values<H>(r, 300, seed++);
+  g.reduce(dpl::view(h), n - 1, dpl::reduce_op::avg).wait();
+  keep(out, h, false);
+  std::size_t const m = 53;
+  auto in = half_values<H>(r, m * static_cast<std::size_t>(n), seed++);
+  std::vector<H> o(m);
+  g.reduce_scatter(dpl::view(o), dpl::view(in), dpl::reduce_op::avg).wait();
+  keep(out, o, false);
 }
 
 /// A fixed sequence of collectives of every kind through `g`; returns every output buffer.
@@ -132,11 +175,13 @@ std::vector<output> run_ops(dpl::process_group const& g) {
   for (auto& v : many) works.push_back(g.all_reduce(dpl::view(v), dpl::reduce_op::avg));
   for (auto it = works.rbegin(); it != works.rend(); ++it) it->wait();
   for (auto const& v : many) keep(out, v, true);
+  run_half_ops<dpl::f16>(g, out, seed);
+  run_half_ops<dpl::bf16>(g, out, seed);
   g.barrier().wait();
   return out;
 }
 
-/// Integer sums (the MPI communicator's; the host communicator reduces F32/F64 only): exact, so
+/// Integer sums (the MPI communicator's; the host communicator reduces floating dtypes only): exact, so
 /// checked against the closed form. Returns the number of wrong elements.
 std::size_t integer_sums_wrong(dpl::process_group const& g) {
   int const r = g.rank();
@@ -221,11 +266,14 @@ struct ddp_run {
   std::vector<std::uint64_t> hashes;
   std::vector<double> params;
 };
-ddp_run train_ddp(dpl::process_group const& group, bool hook, bool many_buckets) {
+/// `compress`: 0 no communication hook, 1 fp16_compress, 2 bf16_compress with error feedback.
+ddp_run train_ddp(dpl::process_group const& group, bool hook, bool many_buckets, int compress = 0) {
   int const rank = group.rank();
   int const world = group.size();
   model m({3, 5, 1, 8, 2, 4}, static_cast<std::uint64_t>(100 + rank));
   dpl::distributed_data_parallel<model> ddp(m, group, many_buckets ? tiny_buckets() : dpl::options{});
+  if (compress == 1) ddp.reducer().register_comm_hook(dpl::compress_state{}, dpl::fp16_compress);
+  if (compress == 2) ddp.reducer().register_comm_hook(dpl::compress_state{.error_feedback = true}, dpl::bf16_compress);
   ddp_run out;
   for (int step = 0; step < 5; ++step) {
     auto const data = test::dataset<float>::make(6 * static_cast<std::size_t>(world), m.dim,
@@ -320,10 +368,16 @@ TEST_CASE("mpi: invalid arguments throw on the caller and abort the group, namin
   CHECK_THROWS_WITH(g.broadcast(dpl::view(v), n),
                     Catch::Contains("broadcast on rank " + std::to_string(g.rank())) &&
                         Catch::Contains("expected a root in [0, " + std::to_string(n) + "), found " + std::to_string(n)));
-  std::vector<std::uint16_t> h(4);
+  std::vector<std::int32_t> h(4);
   auto const g2 = dpl::mpi::make_group(MPI_COMM_WORLD, 60s);
-  CHECK_THROWS_WITH(g2.all_reduce(dpl::tensor_ref(h.data(), h.size(), dpl::dtype::bf16)),
-                    Catch::Contains("reduces F32, F64, I32, I64 and U8, found BF16"));
+  CHECK_THROWS_WITH(g2.all_reduce(dpl::view(h), dpl::reduce_op::avg),
+                    Catch::Contains("avg needs a floating-point dtype (F32, F64, F16, BF16), found I32"));
+  // A 16-bit sum MPI cannot compute (device memory: MPI has no 16-bit floating-point MPI_SUM) is
+  // refused before anything reaches MPI (the view is never dereferenced).
+  std::vector<dpl::bf16> b(4);
+  auto const g3 = dpl::mpi::make_group(MPI_COMM_WORLD, 60s, {.cuda_aware = true});
+  CHECK_THROWS_WITH(g3.all_reduce(dpl::tensor_ref(b.data(), b.size(), dpl::dtype::bf16, dpl::device{dpl::device_kind::cuda, 0, 0})),
+                    Catch::Contains("BF16 sums of device memory are not supported through MPI"));
   // The aborted group fails later collectives with the abort, naming a rank that aborted.
   try {
     g.barrier().wait();
@@ -358,6 +412,27 @@ TEST_CASE("mpi: DDP over N processes gives the parameters of DDP over N thread r
         auto const all = gather_all(g, static_cast<std::int64_t>(h));
         for (auto x : all) CHECK(x == all[0]);
       }
+    }
+  }
+}
+
+TEST_CASE("mpi: DDP with fp16_compress / bf16_compress gives thread-rank DDP's bits, in either reduction mode",
+          "[ddp]") {
+  for (auto mode : {dpl::mpi::reduction::rank_order, dpl::mpi::reduction::native}) {
+    auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, 60s, {.reduce = mode});
+    int const rank = g.rank();
+    int const world = g.size();
+    for (int compress : {1, 2}) {
+      // 16-bit averages always take the rank-order path: bitwise the thread ranks' even in native mode.
+      std::vector<ddp_run> ref(static_cast<std::size_t>(world));
+      dpl::spawn(world, [&](dpl::rank_context& ctx) {
+        ref[static_cast<std::size_t>(ctx.rank())] = train_ddp(ctx.group(), true, true, compress);
+      });
+      auto const a = train_ddp(g, true, true, compress);
+      INFO("rank " << rank << " of " << world << ", hook " << compress << ", native " << (mode == dpl::mpi::reduction::native));
+      CHECK(a.params == ref[static_cast<std::size_t>(rank)].params);
+      CHECK(a.hashes == ref[static_cast<std::size_t>(rank)].hashes);
+      CHECK(test::rel_error(a.params, train_one_device(world, true)) <= 1e-2);  // compressed, but the same training
     }
   }
 }

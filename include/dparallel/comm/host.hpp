@@ -10,7 +10,9 @@
 // (the rank that arrives last computes every slice, element by element the same sums), which
 // keeps the latency of small collectives low. Results are therefore the same bits on every rank,
 // on either path and from run to run. reduce, broadcast, reduce_scatter and all_gather work the same way; reductions take
-// F32 and F64, broadcast and all_gather any dtype.
+// F32, F64, F16 and BF16 (the 16-bit types summed in float, in the same rank order, and rounded
+// once to nearest even at the end: exactly the F32 result of the widened inputs, rounded; avg
+// multiplies the float sum by 1.0f / n before that rounding), broadcast and all_gather any dtype.
 //
 // Failures reach every rank: a rank that has not arrived within the timeout (timeout_error naming
 // it), abort() (comm_error naming the aborting rank and its reason), mismatched collectives
@@ -204,7 +206,7 @@ class communicator {
 
   void check_reducible(dparallel::detail::comm_call const& c) {
     if (!dparallel::detail::host_reducible(c.type)) {
-      reject(c, "the host communicator reduces F32 and F64, found " + std::string(name_of(c.type)) +
+      reject(c, "the host communicator reduces F32, F64, F16 and BF16, found " + std::string(name_of(c.type)) +
                     "; convert the data, or use broadcast / all_gather, which move any dtype");
     }
   }

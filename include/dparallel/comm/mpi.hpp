@@ -33,8 +33,11 @@
 // MPI's choice depends only on sizes, so it is repeatable, but it is not rank order: results are
 // within rounding of rank_order, not bitwise equal). Integer sums (I32, I64, U8; sum only, wrapping
 // like unsigned arithmetic) always take the rank-order path: they are exact in any order, and Open
-// MPI 4.1's MPI_SUM saturates U8 instead of wrapping (measured). F16/BF16 are moved (broadcast,
-// all_gather) but not reduced.
+// MPI 4.1's MPI_SUM saturates U8 instead of wrapping (measured). F16/BF16 (sum and avg) always take
+// the rank-order path too, whatever options::reduce says (MPI has no 16-bit floating-point sum):
+// each element is the F32 rank-order reduction of the widened inputs, rounded once to nearest
+// even, bitwise the host communicator's result. Device memory (options::cuda_aware) of F16/BF16
+// cannot be reduced through MPI: such a call is rejected.
 //
 // Staging. Host collectives copy the caller's data into a staging buffer owned by the
 // communicator and copy results back on completion: MPI never touches the caller's memory after a
@@ -246,11 +249,17 @@ class communicator {
     bool const floating = dparallel::detail::host_reducible(c.type);
     bool const integer = c.type == dtype::i32 || c.type == dtype::i64 || c.type == dtype::u8;
     if (!floating && !integer) {
-      reject(c, "the MPI communicator reduces F32, F64, I32, I64 and U8, found " + std::string(name_of(c.type)) +
-                    "; convert the data, or use broadcast / all_gather, which move any dtype");
+      reject(c, "the MPI communicator reduces F32, F64, F16, BF16, I32, I64 and U8, found " +
+                    std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype");
     }
     if (c.op == reduce_op::avg && !floating) {
-      reject(c, "avg needs a floating-point dtype (F32, F64), found " + std::string(name_of(c.type)) + "; use sum");
+      reject(c, "avg needs a floating-point dtype (F32, F64, F16, BF16), found " + std::string(name_of(c.type)) +
+                    "; use sum");
+    }
+    if (dparallel::detail::is_half(c.type) && t.device().kind != device_kind::host) {
+      reject(c, std::string(name_of(c.type)) + " sums of device memory are not supported through MPI (MPI has no "
+                "16-bit floating-point sum); reduce them in host memory (dparallel then sums in float, in rank "
+                "order) or with NCCL");
     }
     if (c.type == dtype::u8 && t.device().kind != device_kind::host) {
       reject(c, "U8 sums of device memory are not supported through MPI (Open MPI's MPI_SUM saturates U8); use I32");

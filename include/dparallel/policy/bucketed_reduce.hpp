@@ -7,6 +7,7 @@
 #include <dparallel/core/buckets.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/policy/comm_hook.hpp>
 #include <dparallel/policy/replicate.hpp>
 
 #include <algorithm>
@@ -38,6 +39,8 @@ namespace policy {
 ///   plan_views). Every rank's plan is checked against rank 0's at construction (a signature
 ///   all-gathered), so ranks that would issue different collectives fail there, every one of
 ///   them, with an error that says why.
+/// - register_comm_hook (the all-reduce form only) replaces each bucket's average by a hook's
+///   reduction (policy/comm_hook.hpp); without one, the buckets are averaged by the group.
 template <bool ToRoot>
 class bucketed_reduce {
  public:
@@ -53,6 +56,16 @@ class bucketed_reduce {
     for (auto const& b : buckets_) n += b.elements * size_of(b.dtype);
     return n;
   }
+
+  /// Reduces each bucket with `hook` (and its `state`) instead of the group's average, from the
+  /// next step on; see policy/comm_hook.hpp. Every rank must register the same kind of hook.
+  template <class State, class Hook>
+    requires(!ToRoot && comm_hook<Hook, State>)
+  void register_comm_hook(State state, Hook hook) {
+    hook_.set(std::move(state), std::move(hook));
+  }
+  /// Whether a communication hook is registered.
+  [[nodiscard]] bool has_comm_hook() const noexcept { return hook_.active(); }
 
   /// Plans the buckets and checks that every rank planned the same.
   template <class Set>
@@ -347,7 +360,10 @@ class bucketed_reduce {
   void launch_ready(Set& s) {
     while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
       tensor_ref const whole = bucket_ref(s, next_bucket_);
-      works_[next_bucket_] = ToRoot ? s.group.reduce(whole, 0, reduce_op::avg) : s.group.all_reduce(whole, reduce_op::avg);
+      if (hook_.active())
+        works_[next_bucket_] = hook_.launch(s.group, next_bucket_, whole, buckets_[next_bucket_], counts_);
+      else
+        works_[next_bucket_] = ToRoot ? s.group.reduce(whole, 0, reduce_op::avg) : s.group.all_reduce(whole, reduce_op::avg);
       ++next_bucket_;
     }
   }
@@ -387,6 +403,13 @@ class bucketed_reduce {
     // per bucket.
     s.group.drain();
     for (auto const& w : works_) w.wait();
+    if (hook_.active()) {  // the hooks' continuations, in launch order on every rank
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        tensor_ref const whole = bucket_ref(s, b);
+        tensor_ref const r = hook_.result(b, whole, s.group.rank());
+        if (r.data() != whole.data()) ops::copy(whole, r);
+      }
+    }
     if (!view_ && (!ToRoot || s.group.rank() == 0)) {
       for (std::size_t i = 0; i < n; ++i) {
         auto const& spec = buckets_[bucket_of_[i]];
@@ -415,6 +438,7 @@ class bucketed_reduce {
   std::vector<bool> ready_;
   std::vector<std::shared_ptr<std::byte>> storage_, accum_;  // from Backend::allocate
   std::vector<work> works_;
+  detail::hook_slot hook_;  // register_comm_hook's hook, if any
   std::size_t next_bucket_ = 0;
   std::size_t accumulated_ = 0;  // samples accumulated under no_sync since the last synced step
   bool first_accumulation_ = true;

@@ -1,6 +1,6 @@
 #pragma once
 // The MPI engine's collective algorithms: how one collective becomes a list of nonblocking MPI
-// steps (start + finish), host memory staged, long messages split, F32/F64 reduced in rank order
+// steps (start + finish), host memory staged, long messages split, F32/F64/F16/BF16 reduced in rank order
 // (see <dparallel/comm/mpi.hpp> for the algorithms and their determinism).
 
 #include <dparallel/config.hpp>
@@ -62,7 +62,9 @@ inline void build_mpi_steps(mpi_running& r, int me, int n, MPI_Comm comm, mpi::o
   MPI_Datatype const type = mpi_type_of(c.type);
   bool const direct = r.task.a.device().kind != device_kind::host;
   bool const integer = c.type == dtype::i32 || c.type == dtype::i64 || c.type == dtype::u8;
-  bool const rank_order = !direct && (integer || (opts.reduce == mpi::reduction::rank_order && host_reducible(c.type)));
+  // F16/BF16 always: MPI has no 16-bit floating-point sum (they travel as 16-bit words).
+  bool const rank_order = !direct && (integer || is_half(c.type) ||
+                                      (opts.reduce == mpi::reduction::rank_order && host_reducible(c.type)));
   bool const scale = c.op == reduce_op::avg;
   std::size_t const limit = std::clamp<std::size_t>(opts.max_message_elements, 1,
                                                      static_cast<std::size_t>(INT_MAX) - un - 1);
@@ -74,8 +76,8 @@ inline void build_mpi_steps(mpi_running& r, int me, int n, MPI_Comm comm, mpi::o
     dispatch_reducible(ty, [&](auto zero) {
       using T = decltype(zero);
       T* v = reinterpret_cast<T*>(p);
-      T const s = avg_scale<T>(n);
-      for (std::size_t i = 0; i < count; ++i) v[i] *= s;
+      auto const s = avg_scale<accumulator_t<T>>(n);
+      for (std::size_t i = 0; i < count; ++i) v[i] = narrow<T>(widen(v[i]) * s);
     });
   };
   auto const count = c.count;

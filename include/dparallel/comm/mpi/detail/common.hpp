@@ -42,7 +42,7 @@ DPARALLEL_NAMESPACE_BEGIN
 
 namespace mpi {
 
-/// How F32/F64 reductions are computed (see the top of this file).
+/// How F32/F64 reductions are computed (see <dparallel/comm/mpi.hpp>); F16/BF16 always take rank_order.
 enum class reduction : std::uint8_t {
   rank_order,  ///< each element summed in rank order 0..n-1: bitwise the host communicator's result
   native,      ///< MPI's own reduction (MPI_SUM): MPI's order, within rounding of rank_order
@@ -87,7 +87,8 @@ inline std::string mpi_error_text(int code) {
   return std::string(buf, static_cast<std::size_t>(len));
 }
 
-/// The MPI datatype of one element of `t` (F16/BF16 as 16-bit words: moved, never reduced).
+/// The MPI datatype of one element of `t` (F16/BF16 as 16-bit words: MPI moves them, dparallel
+/// reduces them, always in rank order).
 inline MPI_Datatype mpi_type_of(dtype t) {
   switch (t) {
     case dtype::f32: return MPI_FLOAT;
@@ -101,8 +102,8 @@ inline MPI_Datatype mpi_type_of(dtype t) {
   return MPI_BYTE;
 }
 
-/// One rank's slice of a rank-order reduction: F32/F64 with the host communicator's kernel
-/// (op applied), integers by wrapping sums (comm/shm/detail/kernels.hpp).
+/// One rank's slice of a rank-order reduction: F32/F64/F16/BF16 with the host communicator's
+/// kernel (op applied), integers by wrapping sums (comm/shm/detail/kernels.hpp).
 inline void reduce_in_rank_order(dtype t, std::span<void const* const> srcs, void* dst, std::size_t count,
                                  reduce_op op, int n) {
   reduce_any(t, srcs, std::span<void* const>(&dst, 1), count, op, n);

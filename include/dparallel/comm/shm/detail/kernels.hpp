@@ -42,7 +42,7 @@ inline void sum_integers(dtype t, std::span<void const* const> srcs, std::span<v
   }
 }
 
-/// The rank-order reduction of `count` elements: F32/F64 with the host kernel, integers wrapping.
+/// The rank-order reduction of `count` elements: F32/F64/F16/BF16 with the host kernel, integers wrapping.
 inline void reduce_any(dtype t, std::span<void const* const> srcs, std::span<void* const> dsts, std::size_t count,
                        reduce_op op, int n) {
   if (count == 0) return;
