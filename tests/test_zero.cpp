@@ -1,0 +1,191 @@
+// ZeRO stage 1 (ddp_zero1 + zero_redundancy_optimizer) on thread ranks: the parameters are
+// bitwise DDP's with the same update rule, each rank holds 1/N of the optimizer state, and bad
+// input fails with errors that say what to do.
+#include "test_zero_common.hpp"
+
+#include <dparallel/comm/host.hpp>
+#include <dparallel/dparallel.hpp>
+#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/spawn.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dpl = dparallel;
+using model = test::chunked<float>;
+
+namespace {
+
+std::vector<test::zero_run> run_all(int world, bool zero, bool hook, bool tiny) {
+  std::vector<test::zero_run> out(static_cast<std::size_t>(world));
+  dpl::spawn(world, [&](dpl::rank_context& rank) {
+    out[static_cast<std::size_t>(rank.rank())] = test::train_zero_or_ddp(rank.group(), zero, hook, tiny);
+  });
+  return out;
+}
+
+/// Runs `fn(rank)` on `world` thread ranks and returns what each rank's exception said ("" when
+/// it threw nothing); Catch2 assertions stay on the test thread.
+template <class F>
+std::vector<std::string> errors_of(int world, F fn) {
+  std::vector<std::string> seen(static_cast<std::size_t>(world));
+  std::mutex mu;
+  try {
+    dpl::spawn(world, [&](dpl::rank_context& rank) {
+      try {
+        fn(rank);
+      } catch (std::exception const& e) {
+        std::lock_guard lock(mu);
+        seen[static_cast<std::size_t>(rank.rank())] = e.what();
+        throw;
+      }
+    });
+  } catch (std::exception const&) {  // NOLINT(bugprone-empty-catch): each rank's message is checked
+  }
+  return seen;
+}
+
+auto const plain_step = [](model& r, test::samples<float> s) { return r.forward_backward(s); };
+
+}  // namespace
+
+TEST_CASE("ZeRO-1 over N ranks gives bitwise the parameters of DDP with the same rule after 20 steps",
+          "[host][zero][contract]") {
+  for (int world = 1; world <= 4; ++world) {
+    for (bool tiny : {false, true}) {
+      for (bool hook : {false, true}) {
+        INFO("world " << world << ", tiny buckets " << tiny << ", grad_ready " << hook);
+        auto const ddp = run_all(world, false, hook, tiny);
+        auto const zero = run_all(world, true, hook, tiny);
+        for (int r = 0; r < world; ++r) {
+          auto const& z = zero[static_cast<std::size_t>(r)];
+          CHECK(z.params == ddp[0].params);  // bitwise (doubles converted exactly from the floats)
+          CHECK(z.hashes == ddp[0].hashes);  // after every step
+        }
+        // The training moved the parameters: a ZeRO-1 that updated nothing would fail above only
+        // if DDP moved them too.
+        CHECK(ddp[0].hashes.front() != ddp[0].hashes.back());
+      }
+    }
+  }
+}
+
+TEST_CASE("ZeRO-1 keeps 1/N of the optimizer state per rank (plus bucket padding)", "[host][zero][memory]") {
+  std::size_t total = 0;
+  for (auto s : test::zero_sizes()) total += s;
+  for (int world = 1; world <= 4; ++world) {
+    for (bool tiny : {false, true}) {
+      INFO("world " << world << ", tiny buckets " << tiny);
+      auto const ddp = run_all(world, false, false, tiny);
+      auto const zero = run_all(world, true, false, tiny);
+      CHECK(ddp[0].state_bytes == 2 * sizeof(float) * total);  // every DDP rank holds the whole state
+      std::size_t covered = 0;
+      for (auto const& z : zero) {
+        CHECK(z.state_bytes == z.expected_state_bytes);
+        covered += z.valid_elements;
+      }
+      CHECK(covered == total);  // the shards cover every parameter element exactly once
+      if (!tiny) CHECK(zero[0].state_bytes == 2 * sizeof(float) * ((total + world - 1) / world));  // one bucket
+    }
+  }
+}
+
+TEST_CASE("ZeRO-1 with no_sync accumulation equals DDP with no_sync", "[host][zero]") {
+  for (int world : {2, 3}) {
+    std::vector<std::vector<double>> got(2 * static_cast<std::size_t>(world));
+    for (bool zero : {false, true}) {
+      dpl::spawn(world, [&](dpl::rank_context& rank) {
+        model m(test::zero_sizes());
+        auto const d = test::dataset<float>::make(8 * static_cast<std::size_t>(world), m.dim, 5, false);
+        auto const part = [&](std::size_t k) {
+          std::size_t const lo = static_cast<std::size_t>(rank.rank()) * 8 + 4 * k;
+          return dpl::slice_batch(d.all(), lo, lo + 4);
+        };
+        if (zero) {
+          dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
+          dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+          for (int step = 0; step < 3; ++step) {
+            {
+              auto s = w.no_sync();
+              w.step(part(0), plain_step);
+            }
+            w.step(part(1), plain_step);
+            opt.step(0.01);
+          }
+        } else {
+          dpl::distributed_data_parallel<model> w(m, rank, test::zero_tiny_buckets());
+          test::whole_tensor_optimizer<test::adam_like> opt;
+          for (int step = 0; step < 3; ++step) {
+            {
+              auto s = w.no_sync();
+              w.step(part(0), plain_step);
+            }
+            w.step(part(1), plain_step);
+            opt.step(m, 0.01);
+          }
+        }
+        got[static_cast<std::size_t>(rank.rank() + (zero ? world : 0))] = test::flat(m, false);
+      });
+    }
+    for (auto const& g : got) CHECK(g == got[0]);
+  }
+}
+
+TEST_CASE("ZeRO-1: ranks with different models fail construction on every rank, naming the rank and parameter",
+          "[host][zero][error]") {
+  auto const seen = errors_of(3, [](dpl::rank_context& rank) {
+    model m(rank.rank() == 1 ? std::vector<std::size_t>{3, 5, 1, 7, 2, 4} : test::zero_sizes());
+    dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
+  });
+  for (auto const& s : seen) CHECK_THAT(s, Catch::Contains("rank 1's parameter 3 has 7 elements"));
+}
+
+TEST_CASE("ZeRO-1: an update without a synchronised step is refused, naming the rank", "[host][zero][error]") {
+  auto const before_any = errors_of(2, [](dpl::rank_context& rank) {
+    model m(test::zero_sizes());
+    dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
+    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    opt.step(0.1);
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_THAT(before_any[static_cast<std::size_t>(r)],
+               Catch::Contains("zero_redundancy_optimizer::step on rank " + std::to_string(r)) &&
+                   Catch::Contains("expected a synchronised step() of the wrapper since the last update"));
+  }
+  auto const twice = errors_of(2, [](dpl::rank_context& rank) {
+    model m(test::zero_sizes());
+    auto const d = test::dataset<float>::make(8, m.dim, 1, false);
+    dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
+    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    w.step(dpl::slice_batch(d.all(), 4 * static_cast<std::size_t>(rank.rank()), 4 * static_cast<std::size_t>(rank.rank()) + 4),
+           plain_step);
+    opt.step(0.1);
+    {
+      auto s = w.no_sync();  // accumulates only: no fresh shards
+      w.step(d.all(), plain_step);
+    }
+    opt.step(0.1);
+  });
+  for (auto const& s : twice) CHECK_THAT(s, Catch::Contains("call the wrapper's step() outside no_sync() first"));
+}
+
+TEST_CASE("ZeRO-1 refuses gradient_as_bucket_view and parameters that are not f32", "[host][zero][error]") {
+  auto const view = errors_of(2, [](dpl::rank_context& rank) {
+    model m(test::zero_sizes());
+    dpl::parallel<model, dpl::ddp_zero1> w(m, rank, dpl::options{.gradient_as_bucket_view = true});
+  });
+  for (int r = 0; r < 2; ++r)
+    CHECK_THAT(view[static_cast<std::size_t>(r)],
+               Catch::Contains("ZeRO-1 (bucketed_reduce_scatter) on rank " + std::to_string(r)) &&
+                   Catch::Contains("expected options::gradient_as_bucket_view = false"));
+  auto const f64 = errors_of(2, [](dpl::rank_context& rank) {
+    test::chunked<double> m(test::zero_sizes());
+    dpl::parallel<test::chunked<double>, dpl::ddp_zero1> w(m, rank);
+    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+  });
+  for (auto const& s : f64) CHECK_THAT(s, Catch::Contains("parameter 0 is F64, expected F32"));
+}
