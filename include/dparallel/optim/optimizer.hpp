@@ -1,0 +1,241 @@
+#pragma once
+// optim::optimizer<Rule, Backend>: an update rule (optim/sgd.hpp, optim/adam.hpp, or your own
+// update_rule) applied to every parameter of a model, with the rule's state (one f32 tensor per
+// slot and parameter, shaped as the parameter) and the step count.
+//
+//   my_model model;
+//   dparallel::optim::optimizer opt(model, dparallel::optim::adamw({.weight_decay = 0.1}));
+//   for (...) {
+//     model.forward_backward(batch);
+//     opt.step(model, lr);                       // every parameter: p <- rule(p, grad, state)
+//   }
+//
+// With a wrapper, step the wrapper (it steps its module()):
+//   DataParallel: module() is the master; the next step() replicates it to the other devices, so
+//     one optimizer over the master is all DP needs (its gradients are the reduced ones);
+//   DDP: every rank builds an optimizer over its own replica and steps it after each step(); the
+//     reduced gradients are bitwise identical on every rank and so are the updates, so the
+//     replicas stay bitwise identical.
+//   dparallel::distributed_data_parallel<my_model> ddp(model, rank);
+//   dparallel::optim::optimizer opt(ddp, dparallel::optim::sgd({.momentum = 0.9}));
+//   ddp.step(batch, step_fn);
+//   opt.step(ddp, 0.1);
+//
+// The optimizer remembers the parameters' count, sizes and device and checks them at every step:
+// stepping another model is an error that names the parameter. Its state saves with the model's
+// parameter names (optim/state.hpp): "<parameter name>.<slot>" and "<rule>.step".
+
+#include <dparallel/config.hpp>
+#include <dparallel/backend/host/backend.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/model.hpp>
+#include <dparallel/core/tensor_view.hpp>
+#include <dparallel/io/state_dict.hpp>
+#include <dparallel/optim/element.hpp>
+#include <dparallel/optim/rule.hpp>
+#include <dparallel/parallel.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+
+namespace optim {
+
+/// Where an optimizer's arithmetic runs for parameters of `Backend`: apply(r, c, p, g, slots)
+/// updates one tensor, finish(device) returns once every update issued is done. This is the
+/// host's; backend/cuda/optim_kernels.hpp specialises it for cuda::backend.
+template <class Backend>
+struct backend_kernels;
+
+/// The host: the rule's own loop, on the calling thread.
+template <>
+struct backend_kernels<host::backend> {
+  /// Updates the f32 tensor `p` from `g` and the slots `s` (null for slots the rule does not use).
+  template <update_rule R>
+  static void apply(R const& r, typename R::step_constants const& c, tensor_ref p, tensor_ref g,
+                    std::span<float* const> s) {
+    auto const pv = p.as<float>();
+    auto const gv = g.as<float>();
+    r.apply(c, std::span<float>(pv.data(), pv.size()), std::span<float const>(gv.data(), gv.size()), s);
+  }
+  /// Nothing to wait for: apply ran to completion.
+  static void finish(device) {}
+};
+
+namespace detail {
+/// The name of a rule in messages and saved state: R::name when it has one, else "custom".
+template <class R>
+constexpr std::string_view rule_name() {
+  if constexpr (requires { std::string_view(R::name); }) return R::name;
+  else return "custom";
+}
+/// R::slot_count, at least 1 (the size of a pointer array).
+template <class R>
+inline constexpr std::size_t slot_array_size = R::slot_count == 0 ? 1 : R::slot_count;
+}  // namespace detail
+
+/// An update rule applied to every parameter of one model (see the top of optim/optimizer.hpp).
+/// The state lives on the parameters' device, allocated through Backend::allocate (zeroed).
+template <update_rule Rule, class Backend = host::backend>
+class optimizer {
+ public:
+  /// The update rule.
+  using rule_type = Rule;
+  /// The backend whose memory and kernels hold and update the state.
+  using backend_type = Backend;
+
+  /// An optimizer for the parameters of `model_or_wrapper` (a model, or a DP/DDP wrapper whose
+  /// module() it updates). Every parameter must be f32 and all of them on one device.
+  template <class X>
+  explicit optimizer(X& model_or_wrapper, Rule rule = Rule{}) : rule_(std::move(rule)) {
+    auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
+    using M = std::remove_cvref_t<decltype(m)>;
+    static_assert(check_model<M>());
+    verify_model(m, where() + ": the model");
+    auto const params = parameter_refs(m);
+    if (!params.empty()) device_ = params[0].device();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (params[i].dtype() != dtype::f32)
+        throw invalid_argument("dparallel: " + where() + ": parameter " + std::to_string(i) + " ('" +
+                               parameter_names(m)[i] + "') is " + std::string(name_of(params[i].dtype())) +
+                               "; the optimizers update F32 parameters");
+      if (params[i].device() != device_)
+        throw invalid_argument("dparallel: " + where() + ": parameter " + std::to_string(i) + " is on " +
+                               to_string(params[i].device()) + " and parameter 0 on " + to_string(device_) +
+                               "; one optimizer updates parameters of one device");
+      offsets_.push_back(total_);
+      sizes_.push_back(params[i].size());
+      total_ += params[i].size();
+    }
+    active_ = active_slots(rule_);
+    for (std::size_t k = 0; k < active_; ++k)
+      storage_[k] = total_ == 0 ? nullptr : Backend::allocate(device_, total_ * sizeof(float));
+  }
+
+  optimizer(optimizer const&) = delete;  // the state is owned: one optimizer per model
+  optimizer& operator=(optimizer const&) = delete;
+  /// Moves the state; the moved-from optimizer must not be used.
+  optimizer(optimizer&&) noexcept = default;
+  /// Moves the state; the moved-from optimizer must not be used.
+  optimizer& operator=(optimizer&&) noexcept = default;
+  ~optimizer() = default;
+
+  /// One update of every parameter of `model_or_wrapper` at learning rate `lr`: update number
+  /// steps() + 1. Throws invalid_argument when the model is not the one the optimizer was built
+  /// for (parameter count, sizes, dtypes, device) or `lr` is invalid; then nothing changed.
+  template <class X>
+  void step(X& model_or_wrapper, double lr) {
+    auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
+    params_.clear();
+    grads_.clear();
+    for (auto&& t : dparallel::parameters(m)) params_.emplace_back(t);
+    for (auto&& t : dparallel::gradients(m)) grads_.emplace_back(t);
+    check_model_matches(m);
+    auto const next = static_cast<std::uint64_t>(step_) + 1;
+    auto const c = rule_.constants(next, lr);
+    std::array<float*, detail::slot_array_size<Rule>> slots{};
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      for (std::size_t k = 0; k < active_; ++k) slots[k] = slot_data(k) + offsets_[i];
+      backend_kernels<Backend>::apply(rule_, c, params_[i], grads_[i],
+                                      std::span<float* const>(slots.data(), Rule::slot_count));
+    }
+    backend_kernels<Backend>::finish(device_);
+    step_ = static_cast<std::int64_t>(next);
+  }
+  /// One update at the rule's default learning rate (Rule::default_lr, e.g. Adam's 1e-3).
+  template <class X>
+    requires requires { Rule::default_lr; }
+  void step(X& model_or_wrapper) {
+    step(model_or_wrapper, Rule::default_lr);
+  }
+
+  /// The number of updates done (loaded with the state).
+  [[nodiscard]] std::uint64_t steps() const noexcept { return static_cast<std::uint64_t>(step_); }
+  /// The update rule and its hyperparameters.
+  [[nodiscard]] Rule const& rule() const noexcept { return rule_; }
+  /// The device the parameters and the state live on.
+  [[nodiscard]] device state_device() const noexcept { return device_; }
+  /// Number of parameters.
+  [[nodiscard]] std::size_t parameter_count() const noexcept { return sizes_.size(); }
+  /// Number of slots the rule keeps (active_slots of the rule: plain SGD keeps none).
+  [[nodiscard]] std::size_t slots_kept() const noexcept { return active_; }
+  /// Bytes of state held (every kept slot over every parameter element).
+  [[nodiscard]] std::size_t state_bytes() const noexcept { return active_ * total_ * sizeof(float); }
+  /// Slot `k` of parameter `i`, shaped (as a flat view) like the parameter, on state_device().
+  [[nodiscard]] tensor_ref slot(std::size_t i, std::size_t k) const {
+    dparallel::detail::require(i < sizes_.size() && k < active_,
+                               where() + "::slot: expected parameter < " + std::to_string(sizes_.size()) +
+                                   " and slot < " + std::to_string(active_) + ", found " + std::to_string(i) +
+                                   " and " + std::to_string(k));
+    return {slot_data(k) + offsets_[i], sizes_[i], dtype::f32, device_};
+  }
+  /// The step count as a one-element i64 tensor (host memory): what state_dict saves.
+  [[nodiscard]] tensor_ref step_tensor() noexcept { return {&step_, 1, dtype::i64, host_memory}; }
+
+  /// Throws invalid_argument unless `model_or_wrapper` has the parameters this optimizer was built
+  /// for (count, sizes, dtypes, device), naming the first that differs.
+  template <class X>
+  void check(X& model_or_wrapper) {
+    auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
+    params_ = parameter_refs(m);
+    grads_ = gradient_refs(m);
+    check_model_matches(m);
+  }
+
+ private:
+  static std::string where() { return "optim::optimizer<" + std::string(detail::rule_name<Rule>()) + ">"; }
+
+  float* slot_data(std::size_t k) const noexcept { return reinterpret_cast<float*>(storage_[k].get()); }
+
+  template <class M>
+  void check_model_matches(M& m) const {
+    if (params_.size() != sizes_.size() || grads_.size() != sizes_.size())
+      throw invalid_argument("dparallel: " + where() + ": expected the model it was built for, with " +
+                             std::to_string(sizes_.size()) + " parameters; found a model with " +
+                             std::to_string(params_.size()) + " parameters and " + std::to_string(grads_.size()) +
+                             " gradients (build one optimizer per model)");
+    for (std::size_t i = 0; i < sizes_.size(); ++i) {
+      auto const& p = params_[i];
+      auto const& g = grads_[i];
+      if (p.size() != sizes_[i] || p.dtype() != dtype::f32 || p.device() != device_ || g.size() != sizes_[i] ||
+          g.dtype() != dtype::f32)
+        throw invalid_argument("dparallel: " + where() + ": expected the model it was built for; its parameter " +
+                               std::to_string(i) + " ('" + parameter_names(m)[i] + "') had " +
+                               std::to_string(sizes_[i]) + " F32 elements on " + to_string(device_) +
+                               ", found a parameter of " + std::to_string(p.size()) + " " +
+                               std::string(name_of(p.dtype())) + " elements on " + to_string(p.device()) +
+                               " with a gradient of " + std::to_string(g.size()) + " " +
+                               std::string(name_of(g.dtype())) + " elements (build one optimizer per model)");
+    }
+  }
+
+  Rule rule_;
+  device device_ = host_memory;
+  std::vector<std::size_t> offsets_, sizes_;  // per parameter, in elements of the flat slot storage
+  std::size_t total_ = 0;                     // elements over all parameters
+  std::size_t active_ = 0;                    // slots kept
+  std::array<std::shared_ptr<std::byte>, detail::slot_array_size<Rule>> storage_{};  // one flat tensor per slot
+  std::int64_t step_ = 0;
+  std::vector<tensor_ref> params_, grads_;  // refilled in place at every step
+};
+
+/// A DP/DDP wrapper's optimizer runs on the wrapper's backend.
+template <class M, class S, class B, update_rule R>
+optimizer(parallel<M, S, B>&, R) -> optimizer<R, B>;
+/// A bare model's optimizer runs on the host.
+template <class X, update_rule R>
+optimizer(X&, R) -> optimizer<R, host::backend>;
+
+}  // namespace optim
+
+DPARALLEL_NAMESPACE_END
