@@ -117,6 +117,7 @@ struct whole_adam {
 struct result {
   std::size_t ddp_state = 0, zero_state = 0;
   double ddp_news = 0, zero_news = 0;  // per steady-state step, every thread
+  double ddp_bytes = 0, zero_bytes = 0;  // the bytes those allocations asked for
   double ddp_step = 0, zero_step = 0;  // median seconds
   bool same = false;                   // parameters bitwise equal after the run
 };
@@ -124,7 +125,7 @@ struct result {
 result run(int world, std::size_t per, int rounds, int steps) {
   result res;
   std::vector<double> ddp_t, zero_t;
-  std::uint64_t ddp_news = 0, zero_news = 0;
+  std::uint64_t ddp_news = 0, zero_news = 0, ddp_bytes = 0, zero_bytes = 0;
   std::vector<char> same(static_cast<std::size_t>(world), 0);
   dpl::spawn(world, [&](dpl::rank_context& rank) {
     big_model a(per), b(per);
@@ -149,7 +150,7 @@ result run(int world, std::size_t per, int rounds, int steps) {
     for (int r = 0; r < rounds; ++r) {
       for (int mode = 0; mode < 2; ++mode) {
         rank.group().barrier().wait();
-        std::uint64_t const n0 = g_news.load();
+        std::uint64_t const n0 = g_news.load(), b0 = g_new_bytes.load();
         auto const t0 = bench::clock::now();
         for (int k = 0; k < steps; ++k) {
           if (mode == 0) ddp_step();
@@ -157,10 +158,12 @@ result run(int world, std::size_t per, int rounds, int steps) {
         }
         double const dt = bench::seconds_since(t0) / steps;
         std::uint64_t const news = g_news.load() - n0;  // every rank's threads: counted on rank 0
+        std::uint64_t const bytes = g_new_bytes.load() - b0;
         rank.group().barrier().wait();
         if (rank.rank() == 0) {
           (mode == 0 ? ddp_t : zero_t).push_back(dt);
           (mode == 0 ? ddp_news : zero_news) += news;
+          (mode == 0 ? ddp_bytes : zero_bytes) += bytes;
         }
       }
     }
@@ -175,6 +178,8 @@ result run(int world, std::size_t per, int rounds, int steps) {
   double const counted = static_cast<double>(rounds) * steps;
   res.ddp_news = static_cast<double>(ddp_news) / counted;
   res.zero_news = static_cast<double>(zero_news) / counted;
+  res.ddp_bytes = static_cast<double>(ddp_bytes) / counted;
+  res.zero_bytes = static_cast<double>(zero_bytes) / counted;
   res.ddp_step = bench::median(ddp_t);
   res.zero_step = bench::median(zero_t);
   res.same = true;
@@ -196,7 +201,7 @@ int main(int argc, char** argv) {
   std::printf("ZeRO-1 vs DDP, Adam (2 state slots), %zu tensors x %zu = %zu parameters; %s\n", tensors, per,
               tensors * per, bench::load_note().c_str());
   bench::table t({"ranks", "ddp_state_MiB_per_rank", "zero1_state_MiB_per_rank", "state_ratio", "ddp_news_per_step",
-                  "zero1_news_per_step", "ddp_step_ms", "zero1_step_ms", "step_time_ratio", "bitwise_equal"});
+                  "zero1_news_per_step", "ddp_new_bytes_per_step", "zero1_new_bytes_per_step", "ddp_step_ms", "zero1_step_ms", "step_time_ratio", "bitwise_equal"});
   for (double r : ranks) {
     int const world = static_cast<int>(r);
     auto const x = run(world, per, rounds, steps);
@@ -204,7 +209,8 @@ int main(int argc, char** argv) {
     t.add({std::to_string(world), bench::fmt("%.1f", static_cast<double>(x.ddp_state) / mib),
            bench::fmt("%.1f", static_cast<double>(x.zero_state) / mib),
            bench::fmt("%.4f", static_cast<double>(x.zero_state) / static_cast<double>(x.ddp_state)),
-           bench::fmt("%.1f", x.ddp_news), bench::fmt("%.1f", x.zero_news), bench::fmt("%.2f", x.ddp_step * 1e3),
+           bench::fmt("%.1f", x.ddp_news), bench::fmt("%.1f", x.zero_news), bench::fmt("%.0f", x.ddp_bytes),
+           bench::fmt("%.0f", x.zero_bytes), bench::fmt("%.2f", x.ddp_step * 1e3),
            bench::fmt("%.2f", x.zero_step * 1e3), bench::fmt("%.3f", x.zero_step / x.ddp_step),
            x.same ? "yes" : "NO"});
   }

@@ -5,6 +5,8 @@
 
 #include <dparallel/comm/host.hpp>
 #include <dparallel/dparallel.hpp>
+#include <dparallel/optim/adam.hpp>
+#include <dparallel/optim/sgd.hpp>
 #include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
@@ -20,10 +22,11 @@ using model = test::chunked<float>;
 
 namespace {
 
-std::vector<test::zero_run> run_all(int world, bool zero, bool hook, bool tiny) {
+template <class Rule = test::adam_like>
+std::vector<test::zero_run> run_all(int world, bool zero, bool hook, bool tiny, Rule rule = {}) {
   std::vector<test::zero_run> out(static_cast<std::size_t>(world));
   dpl::spawn(world, [&](dpl::rank_context& rank) {
-    out[static_cast<std::size_t>(rank.rank())] = test::train_zero_or_ddp(rank.group(), zero, hook, tiny);
+    out[static_cast<std::size_t>(rank.rank())] = test::train_zero_or_ddp(rank.group(), zero, hook, tiny, rule);
   });
   return out;
 }
@@ -74,6 +77,30 @@ TEST_CASE("ZeRO-1 over N ranks gives bitwise the parameters of DDP with the same
   }
 }
 
+TEST_CASE("ZeRO-1 with the library's Adam, AdamW and SGD gives bitwise DDP's parameters with optim::optimizer",
+          "[host][zero][contract]") {
+  auto const check = [](auto rule, char const* name) {
+    for (int world = 1; world <= 4; ++world) {
+      for (bool tiny : {false, true}) {
+        INFO(name << ", world " << world << ", tiny buckets " << tiny);
+        auto const ddp = run_all(world, false, true, tiny, rule);
+        auto const zero = run_all(world, true, true, tiny, rule);
+        for (auto const& z : zero) {
+          CHECK(z.params == ddp[0].params);
+          CHECK(z.hashes == ddp[0].hashes);
+          CHECK(z.state_bytes == z.expected_state_bytes);
+        }
+        CHECK(ddp[0].hashes.front() != ddp[0].hashes.back());
+      }
+    }
+  };
+  check(dpl::optim::adam{}, "adam");
+  check(dpl::optim::adamw({.weight_decay = 0.1}), "adamw");
+  check(dpl::optim::sgd({.momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01, .nesterov = false}), "momentum");
+  check(dpl::optim::sgd({.momentum = 0.9, .nesterov = true}), "nesterov");
+  check(dpl::optim::sgd(), "plain sgd (no state: 0 bytes)");
+}
+
 TEST_CASE("ZeRO-1 keeps 1/N of the optimizer state per rank (plus bucket padding)", "[host][zero][memory]") {
   std::size_t total = 0;
   for (auto s : test::zero_sizes()) total += s;
@@ -118,14 +145,14 @@ TEST_CASE("ZeRO-1 with no_sync accumulation equals DDP with no_sync", "[host][ze
           }
         } else {
           dpl::distributed_data_parallel<model> w(m, rank, test::zero_tiny_buckets());
-          test::whole_tensor_optimizer<test::adam_like> opt;
+          dpl::optim::optimizer opt(w, test::adam_like{});
           for (int step = 0; step < 3; ++step) {
             {
               auto s = w.no_sync();
               w.step(part(0), plain_step);
             }
             w.step(part(1), plain_step);
-            opt.step(m, 0.01);
+            opt.step(w, 0.01);
           }
         }
         got[static_cast<std::size_t>(rank.rank() + (zero ? world : 0))] = test::flat(m, false);

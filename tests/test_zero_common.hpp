@@ -1,11 +1,12 @@
 #pragma once
-// ZeRO-1 against DDP: one training run of either on any process group, with an update rule of
-// the test's own (Adam's arithmetic, two state slots) applied to whole tensors under DDP and to
-// each rank's shard of the buckets under ZeRO-1. Shared by tests/test_zero.cpp (thread ranks)
+// ZeRO-1 against DDP: one training run of either on any process group, with an update rule
+// applied to whole tensors under DDP (optim::optimizer) and to each rank's shard of the buckets
+// under ZeRO-1 (zero_redundancy_optimizer): the test's own (Adam's arithmetic) or the library's. Shared by tests/test_zero.cpp (thread ranks)
 // and tests/mpi/test_mpi_zero.cpp (MPI processes).
 #include "models.hpp"
 
 #include <dparallel/dparallel.hpp>
+#include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/rule.hpp>
 #include <dparallel/policy/zero_redundancy_optimizer.hpp>
 
@@ -47,37 +48,6 @@ struct adam_like {
 };
 static_assert(dparallel::optim::update_rule<adam_like>);
 
-/// The rule over whole tensors (what DDP users do): one state per parameter tensor.
-template <dparallel::optim::update_rule Rule>
-struct whole_tensor_optimizer {
-  Rule rule{};
-  std::uint64_t steps = 0;
-  std::vector<std::vector<float>> state;  // slot k of parameter i at k * n + i
-  template <class M>
-  void step(M& model, double lr) {
-    auto params = dparallel::parameter_refs(model);
-    auto grads = dparallel::gradient_refs(model);
-    std::size_t const n = params.size();
-    if (state.empty())
-      for (std::size_t k = 0; k < Rule::slot_count; ++k)
-        for (std::size_t i = 0; i < n; ++i) state.emplace_back(params[i].size(), 0.0f);
-    auto const c = rule.constants(++steps, lr);
-    for (std::size_t i = 0; i < n; ++i) {
-      std::array<float*, Rule::slot_count> s{};
-      for (std::size_t k = 0; k < Rule::slot_count; ++k) s[k] = state[k * n + i].data();
-      auto const p = params[i].template as<float>();
-      auto const g = grads[i].template as<float>();
-      rule.apply(c, std::span<float>(p.data(), p.size()), std::span<float const>(g.data(), g.size()),
-                 std::span<float* const>(s.data(), s.size()));
-    }
-  }
-  [[nodiscard]] std::size_t state_bytes() const {
-    std::size_t b = 0;
-    for (auto const& v : state) b += v.size() * sizeof(float);
-    return b;
-  }
-};
-
 /// The parameter sizes of the test model: 23 elements (divisible by none of 2, 3, 4), a
 /// one-element tensor (with tiny buckets, a bucket smaller than the world).
 inline std::vector<std::size_t> zero_sizes() { return {3, 5, 1, 8, 2, 4}; }
@@ -96,10 +66,12 @@ struct zero_run {
   std::size_t valid_elements = 0;        // ZeRO-1: this rank's shard elements that are parameters
 };
 
-/// 20 steps (by default) of DDP (zero = false) or ZeRO-1 with adam_like on `group`, each rank
-/// on its slice of a fresh batch per step; `hook`: gradients marked ready during backward.
-inline zero_run train_zero_or_ddp(dparallel::process_group const& group, bool zero, bool hook, bool tiny,
-                                  int steps = 20) {
+/// 20 steps (by default) of DDP with optim::optimizer (zero = false) or ZeRO-1 with
+/// zero_redundancy_optimizer, both with `rule`, on `group`, each rank on its slice of a fresh
+/// batch per step; `hook`: gradients marked ready during backward.
+template <dparallel::optim::update_rule Rule = adam_like>
+zero_run train_zero_or_ddp(dparallel::process_group const& group, bool zero, bool hook, bool tiny, Rule rule = {},
+                           int steps = 20) {
   using model = chunked<float>;
   int const world = group.size(), rank = group.rank();
   model m(zero_sizes(), static_cast<std::uint64_t>(7 + rank));  // differs until broadcast
@@ -108,41 +80,31 @@ inline zero_run train_zero_or_ddp(dparallel::process_group const& group, bool ze
   auto const fn = [hook](model& r, samples<float> s, dparallel::step_context& ctx) {
     return hook ? r.forward_backward(s, &ctx) : r.forward_backward(s);
   };
-  auto const batch = [&](int step) {
-    return dataset<float>::make(4 * static_cast<std::size_t>(world), m.dim, static_cast<std::uint64_t>(step + 1),
-                                false);
-  };
-  auto const slice = [&](dataset<float> const& d) {
-    return dparallel::slice_batch(d.all(), static_cast<std::size_t>(rank) * 4, static_cast<std::size_t>(rank + 1) * 4);
-  };
-  double const lr = 0.01;
-  if (zero) {
-    dparallel::parallel<model, dparallel::ddp_zero1> w(m, group, opts);
-    dparallel::zero_redundancy_optimizer opt(w, adam_like{});
+  auto const train = [&](auto& w, auto& opt) {
     for (int k = 0; k < steps; ++k) {
-      auto const d = batch(k);
-      w.step(slice(d), fn);
-      opt.step(lr);
+      auto const d = dataset<float>::make(4 * static_cast<std::size_t>(world), m.dim,
+                                          static_cast<std::uint64_t>(k + 1), false);
+      w.step(dparallel::slice_batch(d.all(), static_cast<std::size_t>(rank) * 4, static_cast<std::size_t>(rank + 1) * 4), fn);
+      opt.step(w, 0.01);
       out.hashes.push_back(param_hash(m));
     }
     out.state_bytes = opt.state_bytes();
+  };
+  if (zero) {
+    dparallel::parallel<model, dparallel::ddp_zero1> w(m, group, opts);
+    dparallel::zero_redundancy_optimizer opt(w, rule);
+    train(w, opt);
     auto const& r = w.reducer();
+    auto const n = static_cast<std::size_t>(world);
     for (std::size_t b = 0; b < r.buckets().size(); ++b) {
-      out.expected_state_bytes += adam_like::slot_count * sizeof(float) *
-                                  ((r.buckets()[b].elements + static_cast<std::size_t>(world) - 1) /
-                                   static_cast<std::size_t>(world));
+      out.expected_state_bytes +=
+          dparallel::optim::active_slots(rule) * sizeof(float) * ((r.buckets()[b].elements + n - 1) / n);
       out.valid_elements += r.shard_valid(b);
     }
   } else {
     dparallel::distributed_data_parallel<model> w(m, group, opts);
-    whole_tensor_optimizer<adam_like> opt;
-    for (int k = 0; k < steps; ++k) {
-      auto const d = batch(k);
-      w.step(slice(d), fn);
-      opt.step(m, lr);
-      out.hashes.push_back(param_hash(m));
-    }
-    out.state_bytes = opt.state_bytes();
+    dparallel::optim::optimizer opt(w, rule);
+    train(w, opt);
   }
   out.params = flat(m, false);
   return out;

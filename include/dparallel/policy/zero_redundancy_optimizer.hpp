@@ -14,6 +14,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/optim/element.hpp>
 #include <dparallel/optim/rule.hpp>
 #include <dparallel/parallel.hpp>
 #include <dparallel/policy/bucketed_reduce_scatter.hpp>
@@ -90,12 +91,13 @@ class zero_redundancy_optimizer {
       throw invalid_argument("dparallel: zero_redundancy_optimizer::step on rank " + std::to_string(rank) +
                              ": expected a synchronised step() of the wrapper since the last update, found none "
                              "(the gradient shards are stale); call the wrapper's step() outside no_sync() first");
-    if (!slots_.empty() && plan_ != r.plan_generation())
+    if (allocated_ && plan_ != r.plan_generation())
       throw invalid_argument("dparallel: zero_redundancy_optimizer::step on rank " + std::to_string(rank) +
                              ": the wrapper's bucket plan changed after the optimizer state was laid out");
+    auto const c = rule_.constants(steps_ + 1, lr);  // may refuse lr: nothing changed yet
     seen_reductions_ = r.reductions();
-    if (slots_.empty()) allocate_state(r);
-    auto const c = rule_.constants(++steps_, lr);
+    if (!allocated_) allocate_state(r);
+    ++steps_;
     params_.clear();
     for (auto&& t : parameters(w_->module())) params_.emplace_back(t);
     std::size_t const nb = r.buckets().size();
@@ -114,6 +116,20 @@ class zero_redundancy_optimizer {
     }
   }
 
+  /// The same, in optim::optimizer's form (`opt.step(w, lr)`): `w` must be the wrapper the
+  /// optimizer was built over.
+  void step(Wrapper& w, double lr) {
+    detail::require(&w == w_, "zero_redundancy_optimizer::step: expected the wrapper the optimizer was built over, "
+                              "found another one");
+    step(lr);
+  }
+  /// One update at the rule's default learning rate (Rule::default_lr, e.g. Adam's 1e-3).
+  void step()
+    requires requires { Rule::default_lr; }
+  {
+    step(static_cast<double>(Rule::default_lr));
+  }
+
   /// The rule (its hyperparameters may be changed between steps).
   [[nodiscard]] Rule& rule() noexcept { return rule_; }
   /// The rule.
@@ -123,9 +139,10 @@ class zero_redundancy_optimizer {
   /// Bytes of optimizer state this rank holds (0 before the first step).
   [[nodiscard]] std::size_t state_bytes() const noexcept { return state_elements_ * sizeof(float); }
   /// This rank's shard of state slot `slot` (Rule::slot_names[slot]) for bucket `b` of the
-  /// wrapper's reducer, shard_elements(b) values (0 before the first step).
+  /// wrapper's reducer, shard_elements(b) values (empty before the first step, and for slots
+  /// the rule does not use: optim::active_slots).
   [[nodiscard]] std::span<float const> state_shard(std::size_t slot, std::size_t b) const {
-    if (slots_.empty()) return {};
+    if (slot * bucket_count_ + b >= slots_.size()) return {};
     auto const m = w_->reducer().shard_elements(b);
     return {slots_.at(slot * bucket_count_ + b).get(), m};
   }
@@ -138,7 +155,9 @@ class zero_redundancy_optimizer {
     plan_ = r.plan_generation();
     state_elements_ = 0;
     slots_.clear();
-    for (std::size_t k = 0; k < Rule::slot_count; ++k) {
+    active_ = optim::active_slots(rule_);  // slots from active_ on are never read: no storage
+    allocated_ = true;
+    for (std::size_t k = 0; k < active_; ++k) {
       for (std::size_t b = 0; b < bucket_count_; ++b) {
         std::size_t const m = r.shard_elements(b);
         slots_.push_back(std::make_unique<float[]>(m));  // value-initialised: zeros
@@ -162,7 +181,7 @@ class zero_redundancy_optimizer {
       if (a < z) std::copy_n(static_cast<float const*>(p.data()) + (a - first), z - a, flat + a);
     }
     std::array<float*, Rule::slot_count> s{};
-    for (std::size_t k = 0; k < Rule::slot_count; ++k) s[k] = slots_[k * bucket_count_ + b].get();
+    for (std::size_t k = 0; k < active_; ++k) s[k] = slots_[k * bucket_count_ + b].get();
     rule_.apply(c, std::span<float>(flat + lo, valid),
                 std::span<float const>(static_cast<float const*>(r.grad_shard(b).data()), valid),
                 std::span<float* const>(s.data(), s.size()));
@@ -186,6 +205,8 @@ class zero_redundancy_optimizer {
   std::uint64_t plan_ = 0;
   std::size_t bucket_count_ = 0;
   std::size_t state_elements_ = 0;
+  std::size_t active_ = 0;  // slots the rule uses
+  bool allocated_ = false;
   std::vector<std::unique_ptr<float[]>> slots_;  // slot k of bucket b at k * bucket_count_ + b
   std::vector<tensor_ref> params_;
   std::vector<work> works_;
