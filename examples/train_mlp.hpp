@@ -3,7 +3,7 @@
 //   train_mlp.cpp          main: the process set-up, the run, the summary (text and JSON)
 //   train_mlp_options.cpp  the command line (parse_command_line, print_usage, apply_world)
 //   train_mlp_files.cpp    --init, --resume, --save, --save-checkpoint
-//   train_mlp_loop.hpp     the data plan, batches, SGD, evaluation and the training loop
+//   train_mlp_loop.hpp     the data plan, batches, the optimizer step, evaluation and the training loop
 //   train_mlp_modes.cpp    the modes: single, dp, ddp (threads, MPI), and --backend cuda
 #pragma once
 
@@ -58,6 +58,12 @@ struct config {
   std::string resume;           // --resume: a checkpoint to continue from
   std::string save;             // --save: the trained model's state dict
   std::string save_checkpoint;  // --save-checkpoint: the training state at the end
+  // The update after each step (train_mlp_loop.hpp's make_update). The defaults are plain SGD, the
+  // same bits as before these options existed. (Room for --zero 1: it would pick the sharded form.)
+  std::string optimizer = "sgd";  // --optimizer: sgd, momentum (0.9), adam or adamw
+  double weight_decay = -1;       // --weight-decay; -1: the optimizer's default (0; adamw: 0.01)
+  double clip_grad_norm = 0;      // --clip-grad-norm: max total 2-norm of the gradients (0: no clipping)
+  bool lr_given = false;          // --lr given (adam, adamw: default 1e-3 instead of 0.1)
 };
 
 /// A bad command line: reported with exit code 2.

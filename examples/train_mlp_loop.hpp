@@ -7,7 +7,14 @@
 #include "train_mlp_cuda.hpp"
 #endif
 
+#include <dparallel/optim/adam.hpp>
+#include <dparallel/optim/clip.hpp>
+#include <dparallel/optim/optimizer.hpp>
+#include <dparallel/optim/sgd.hpp>
+
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 
@@ -90,6 +97,27 @@ inline void sgd(mlp& m, float lr) {
     for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
 }
 
+/// The update after each step, as --optimizer, --weight-decay and --clip-grad-norm ask: the
+/// defaults keep the plain SGD above (the bits of every earlier run); otherwise an optimizer of
+/// dparallel::optim over `m` (the master, or this DDP rank's replica: every rank updates its own
+/// from the same reduced gradients, so the replicas stay identical), after clipping the gradients.
+inline std::function<void(double)> make_update(config const& cfg, mlp& m) {
+  if (cfg.optimizer == "sgd" && cfg.weight_decay <= 0 && cfg.clip_grad_norm == 0)
+    return [&m](double lr) { sgd(m, static_cast<float>(lr)); };
+  namespace optim = dparallel::optim;
+  auto with = [&m, clip = cfg.clip_grad_norm](auto rule) -> std::function<void(double)> {
+    auto opt = std::make_shared<optim::optimizer<decltype(rule)>>(m, rule);
+    return [&m, opt, clip](double lr) {
+      if (clip > 0) optim::clip_grad_norm(m, clip);
+      opt->step(m, lr);
+    };
+  };
+  std::optional<double> const wd = cfg.weight_decay >= 0 ? std::optional<double>(cfg.weight_decay) : std::nullopt;
+  if (cfg.optimizer == "adam") return with(optim::adam({.weight_decay = wd}));
+  if (cfg.optimizer == "adamw") return with(optim::adamw({.weight_decay = wd}));
+  return with(optim::sgd({.momentum = cfg.optimizer == "momentum" ? 0.9 : 0.0, .weight_decay = wd.value_or(0.0)}));
+}
+
 /// Fraction of `test` that `m` classifies correctly.
 inline double evaluate(mlp& m, fashion_mnist::dataset const& test) {
   constexpr std::size_t chunk = 1000;
@@ -127,6 +155,10 @@ struct gpu_master {
   mlp host;
 };
 inline void sgd(gpu_master& m, float lr) { m.run->sgd(lr); }
+/// --backend cuda: plain SGD on the GPU (the command line refuses the other optimizers there).
+inline std::function<void(double)> make_update(config const&, gpu_master& m) {
+  return [&m](double lr) { sgd(m, static_cast<float>(lr)); };
+}
 inline mlp& host_model(gpu_master& m) {
   m.run->download(m.host);
   return m.host;
@@ -136,7 +168,7 @@ inline mlp& host_model(gpu_master& m) {
 /// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
 /// double` is the mode: it returns the mean loss over the global batch and leaves the gradient of
 /// that mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
-/// the wrapper's profile). Then SGD updates `master`; after each epoch `master` is evaluated on the test set.
+/// the wrapper's profile). Then the optimizer (make_update) updates `master`; after each epoch `master` is evaluated on the test set.
 /// `master` is an mlp, or a gpu_master on the CUDA backend (see host_model).
 /// `rank` is -1 for modes that see the whole global batch; a DDP rank passes its rank and gets
 /// only its own part of every batch (rank 0 alone evaluates, prints and writes files).
@@ -156,7 +188,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
   result r;
   bool const reports = rank <= 0;
   auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
-  auto const lr = static_cast<float>(cfg.lr);
+  auto const update = make_update(cfg, master);
   std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
   auto const epochs = static_cast<std::uint64_t>(cfg.epochs);
   dparallel::training_progress p = start.progress;
@@ -196,7 +228,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
       if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
       r.data_wait_seconds += seconds(batches.last_wait()).count();
       double const loss = step(made->view(), batches.last_wait());
-      sgd(master, lr);
+      update(cfg.lr);
       std::size_t const n = global_sizes[j - first];
       loss_sum += loss * static_cast<double>(n);
       samples += n;

@@ -39,7 +39,13 @@ void print_usage(std::FILE* out) {
                "                 mpi: %s; nccl: %s\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
-               "  --lr LR        SGD learning rate (default: 0.1)\n"
+               "  --lr LR        learning rate (default: 0.1; adam, adamw: 0.001)\n"
+               "  --optimizer O  sgd (default), momentum (SGD with momentum 0.9), adam or adamw: PyTorch's update\n"
+               "                 rules (dparallel::optim); on every mode, host backend only\n"
+               "  --weight-decay X  weight decay (default: 0; adamw: 0.01): L2 for sgd, momentum and adam,\n"
+               "                 decoupled for adamw\n"
+               "  --clip-grad-norm X  before each update, scale the gradients to a total 2-norm of at most X\n"
+               "                 (dparallel::optim::clip_grad_norm; default: no clipping)\n"
                "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1; --init\n"
                "                 replaces the initialisation, --resume brings the checkpoint's seed)\n"
                "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
@@ -97,14 +103,17 @@ Int parse_int(std::string_view option, std::string_view text, Int min, Int max) 
   return v;
 }
 
-double parse_positive(std::string_view option, std::string_view text) {
+/// A finite number > 0 (or >= 0 with `zero_ok`) from `text`, else a usage error naming `option`.
+double parse_number(std::string_view option, std::string_view text, bool zero_ok) {
   std::string const s(text);
   char* end = nullptr;
   double const v = std::strtod(s.c_str(), &end);
-  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || !(v > 0))
-    throw usage_error(std::string(option) + ": expected a positive number, found '" + s + "'");
+  if (s.empty() || end != s.c_str() + s.size() || !std::isfinite(v) || !(zero_ok ? v >= 0 : v > 0))
+    throw usage_error(std::string(option) + (zero_ok ? ": expected a number >= 0, found '" : ": expected a positive number, found '") + s + "'");
   return v;
 }
+double parse_positive(std::string_view option, std::string_view text) { return parse_number(option, text, false); }
+double parse_non_negative(std::string_view option, std::string_view text) { return parse_number(option, text, true); }
 
 /// Resolves --backend auto: CUDA when this build has it and a GPU is visible (and the ranks are not
 /// MPI processes, whose engine reduces host memory), else the host. Returns why auto chose what it
@@ -186,6 +195,15 @@ config parse_command_line(int argc, char** argv) {
       cfg.global_batch = parse_int<std::size_t>(arg, next(), 1, 60000);
     } else if (arg == "--lr") {
       cfg.lr = parse_positive(arg, next());
+      cfg.lr_given = true;
+    } else if (arg == "--optimizer") {
+      cfg.optimizer = std::string(next());
+      if (cfg.optimizer != "sgd" && cfg.optimizer != "momentum" && cfg.optimizer != "adam" && cfg.optimizer != "adamw")
+        throw usage_error("--optimizer: expected sgd, momentum, adam or adamw, found '" + cfg.optimizer + "'");
+    } else if (arg == "--weight-decay") {
+      cfg.weight_decay = parse_non_negative(arg, next());
+    } else if (arg == "--clip-grad-norm") {
+      cfg.clip_grad_norm = parse_positive(arg, next());
     } else if (arg == "--seed") {
       cfg.seed = parse_int<std::uint64_t>(arg, next(), 0, UINT64_MAX);
       cfg.seed_given = true;
@@ -242,6 +260,11 @@ config parse_command_line(int argc, char** argv) {
                       ": a checkpoint holds the model already; pass one of them");
   if (!cfg.save.empty() && cfg.save == cfg.save_checkpoint)
     throw usage_error("--save and --save-checkpoint: expected two files, found " + cfg.save + " twice");
+  if (!cfg.lr_given && (cfg.optimizer == "adam" || cfg.optimizer == "adamw")) cfg.lr = 1e-3;
+  bool const stateful = cfg.optimizer != "sgd";
+  if (stateful && (!cfg.resume.empty() || !cfg.save_checkpoint.empty()))
+    throw usage_error("--optimizer " + cfg.optimizer + " with --resume or --save-checkpoint: this example's "
+                      "checkpoints hold no optimizer state yet; use --optimizer sgd, or --save / --init");
   if (cfg.comm == "mpi" && cfg.mode != "ddp")
     throw usage_error("--comm mpi: only --mode ddp runs over MPI processes, found --mode " + cfg.mode);
   if (cfg.comm == "nccl" && cfg.mode != "ddp")
@@ -252,6 +275,9 @@ config parse_command_line(int argc, char** argv) {
   if (cfg.comm == "nccl" && cfg.backend == "host")
     throw usage_error("--comm nccl --backend host: NCCL reduces GPU memory; on the host use --comm thread or mpi");
   if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);  // throws std::runtime_error (exit 1) without a GPU
+  if (cfg.backend == "cuda" && (cfg.optimizer != "sgd" || cfg.weight_decay > 0 || cfg.clip_grad_norm > 0))
+    throw usage_error("--optimizer, --weight-decay and --clip-grad-norm: this example runs them on the host "
+                      "backend only; add --backend host");
   // The world size, hence devices and sampler replicas, come from the launch: see main.
   if (cfg.comm == "mpi" || cfg.comm == "nccl") return cfg;
   if (cfg.mode == "single") {

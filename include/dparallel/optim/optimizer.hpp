@@ -88,6 +88,10 @@ inline constexpr std::size_t slot_array_size = R::slot_count == 0 ? 1 : R::slot_
 /// The state lives on the parameters' device, allocated through Backend::allocate (zeroed).
 template <update_rule Rule, class Backend = host::backend>
 class optimizer {
+  static_assert(requires { sizeof(backend_kernels<Backend>); },
+                "dparallel: optim::optimizer has no kernels for this backend: for cuda::backend include "
+                "<dparallel/backend/cuda/optim_kernels.hpp> (compiled by nvcc) before using it");
+
  public:
   /// The update rule.
   using rule_type = Rule;
