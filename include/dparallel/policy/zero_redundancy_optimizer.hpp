@@ -130,6 +130,16 @@ class zero_redundancy_optimizer {
     step(static_cast<double>(Rule::default_lr));
   }
 
+  /// This rank's shards of the averaged gradient, one per bucket, without their padding: what
+  /// optim::clip_grad_norm_sharded(opt.gradient_shards(), group, max_norm) clips before step().
+  /// Valid after the wrapper's synchronised step(), until the next step().
+  [[nodiscard]] std::span<tensor_ref const> gradient_shards() {
+    auto const& r = w_->reducer();
+    shards_.clear();
+    for (std::size_t b = 0; b < r.buckets().size(); ++b) shards_.push_back(r.grad_shard(b).subview(0, r.shard_valid(b)));
+    return shards_;
+  }
+
   /// The rule (its hyperparameters may be changed between steps).
   [[nodiscard]] Rule& rule() noexcept { return rule_; }
   /// The rule.
@@ -209,6 +219,7 @@ class zero_redundancy_optimizer {
   bool allocated_ = false;
   std::vector<std::unique_ptr<float[]>> slots_;  // slot k of bucket b at k * bucket_count_ + b
   std::vector<tensor_ref> params_;
+  std::vector<tensor_ref> shards_;  // gradient_shards()
   std::vector<work> works_;
 };
 
