@@ -12,7 +12,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -117,6 +119,49 @@ TEST_CASE("ZeRO-1 keeps 1/N of the optimizer state per rank (plus bucket padding
       }
       CHECK(covered == total);  // the shards cover every parameter element exactly once
       if (!tiny) CHECK(zero[0].state_bytes == 2 * sizeof(float) * ((total + world - 1) / world));  // one bucket
+    }
+  }
+}
+
+namespace {
+/// The host backend with an allocator that counts its calls (bucket, shard and state memory).
+struct counting_backend : dpl::host::backend {
+  static inline std::atomic<std::size_t> calls{0};
+  static std::shared_ptr<std::byte> allocate(dpl::device d, std::size_t n) {
+    calls.fetch_add(1);
+    return dpl::host::backend::allocate(d, n);
+  }
+};
+}  // namespace
+
+TEST_CASE("ZeRO-1 steady-state steps allocate no bucket, shard or state memory", "[host][zero][memory]") {
+  for (bool tiny : {false, true}) {
+    std::vector<std::size_t> after(12, 0);
+    std::vector<std::size_t> state(12, 0);
+    counting_backend::calls = 0;
+    dpl::spawn(2, [&](dpl::rank_context& rank) {
+      model m(test::zero_sizes());
+      auto const d = test::dataset<float>::make(8, m.dim, 2, false);
+      auto const mine = dpl::slice_batch(d.all(), 4 * static_cast<std::size_t>(rank.rank()),
+                                         4 * static_cast<std::size_t>(rank.rank()) + 4);
+      dpl::parallel<model, dpl::ddp_zero1, counting_backend> w(m, rank, tiny ? test::zero_tiny_buckets() : dpl::options{});
+      dpl::zero_redundancy_optimizer opt(w, dpl::optim::adam{});
+      for (std::size_t k = 0; k < after.size(); ++k) {
+        w.step(mine, plain_step);
+        opt.step(w, 1e-3);
+        rank.group().barrier().wait();  // both ranks' allocations of this step are counted
+        if (rank.rank() == 0) {
+          after[k] = counting_backend::calls.load();
+          state[k] = opt.state_bytes();
+        }
+        rank.group().barrier().wait();
+      }
+    });
+    INFO("tiny buckets " << tiny);
+    CHECK(state[1] > 0);
+    for (std::size_t k = 2; k < after.size(); ++k) {  // step 1 rebuilt the plan and laid the state out
+      CHECK(after[k] == after[1]);
+      CHECK(state[k] == state[1]);
     }
   }
 }

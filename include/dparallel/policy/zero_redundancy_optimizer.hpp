@@ -154,11 +154,13 @@ class zero_redundancy_optimizer {
   [[nodiscard]] std::span<float const> state_shard(std::size_t slot, std::size_t b) const {
     if (slot * bucket_count_ + b >= slots_.size()) return {};
     auto const m = w_->reducer().shard_elements(b);
-    return {slots_.at(slot * bucket_count_ + b).get(), m};
+    return {slot_data(slot * bucket_count_ + b), m};
   }
 
  private:
   using constants_type = typename Rule::step_constants;
+
+  [[nodiscard]] float* slot_data(std::size_t i) const { return reinterpret_cast<float*>(slots_.at(i).get()); }
 
   void allocate_state(reducer_type const& r) {
     bucket_count_ = r.buckets().size();
@@ -170,7 +172,7 @@ class zero_redundancy_optimizer {
     for (std::size_t k = 0; k < active_; ++k) {
       for (std::size_t b = 0; b < bucket_count_; ++b) {
         std::size_t const m = r.shard_elements(b);
-        slots_.push_back(std::make_unique<float[]>(m));  // value-initialised: zeros
+        slots_.push_back(Wrapper::backend_type::allocate(w_->devices()[0], m * sizeof(float)));  // zeroed
         state_elements_ += m;
       }
     }
@@ -191,7 +193,7 @@ class zero_redundancy_optimizer {
       if (a < z) std::copy_n(static_cast<float const*>(p.data()) + (a - first), z - a, flat + a);
     }
     std::array<float*, Rule::slot_count> s{};
-    for (std::size_t k = 0; k < active_; ++k) s[k] = slots_[k * bucket_count_ + b].get();
+    for (std::size_t k = 0; k < active_; ++k) s[k] = slot_data(k * bucket_count_ + b);
     rule_.apply(c, std::span<float>(flat + lo, valid),
                 std::span<float const>(static_cast<float const*>(r.grad_shard(b).data()), valid),
                 std::span<float* const>(s.data(), s.size()));
@@ -217,7 +219,7 @@ class zero_redundancy_optimizer {
   std::size_t state_elements_ = 0;
   std::size_t active_ = 0;  // slots the rule uses
   bool allocated_ = false;
-  std::vector<std::unique_ptr<float[]>> slots_;  // slot k of bucket b at k * bucket_count_ + b
+  std::vector<std::shared_ptr<std::byte>> slots_;  // slot k of bucket b at k * bucket_count_ + b (Backend::allocate)
   std::vector<tensor_ref> params_;
   std::vector<tensor_ref> shards_;  // gradient_shards()
   std::vector<work> works_;
