@@ -10,15 +10,15 @@
 // parameter, marking it ready, last tensor first): the collectives and the update dominate, the
 // case where ZeRO-1's all-gather after the update is least hidden.
 #include "bench_util.hpp"
-#include "test_zero_common.hpp"
 
 #include <dparallel/dparallel.hpp>
+#include <dparallel/optim/adam.hpp>
+#include <dparallel/optim/optimizer.hpp>
 #include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
 #include <array>
 #include <atomic>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -26,7 +26,6 @@
 #include <new>
 #include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -90,30 +89,6 @@ struct big_model {
   }
 };
 
-/// Adam's update (two state slots), the rule tests/test_zero.cpp checks ZeRO-1 with.
-using adam_rule = test::adam_like;
-
-/// DDP's optimizer: the rule over whole tensors, the whole state on every rank.
-struct whole_adam {
-  adam_rule rule;
-  std::uint64_t steps = 0;
-  std::array<std::vector<float>, 2 * tensors> state;
-  void step(big_model& m, double lr) {
-    if (state[0].empty())
-      for (std::size_t k = 0; k < state.size(); ++k) state[k].assign(m.w[k % tensors].size(), 0.0f);
-    auto const c = rule.constants(++steps, lr);
-    for (std::size_t p = 0; p < tensors; ++p) {
-      std::array<float*, 2> s{state[p].data(), state[tensors + p].data()};
-      rule.apply(c, m.w[p], m.g[p], s);
-    }
-  }
-  std::size_t bytes() const {
-    std::size_t b = 0;
-    for (auto const& v : state) b += v.size() * sizeof(float);
-    return b;
-  }
-};
-
 struct result {
   std::size_t ddp_state = 0, zero_state = 0;
   double ddp_news = 0, zero_news = 0;  // per steady-state step, every thread
@@ -131,13 +106,13 @@ result run(int world, std::size_t per, int rounds, int steps) {
     big_model a(per), b(per);
     dpl::distributed_data_parallel<big_model> ddp(a, rank);
     dpl::parallel<big_model, dpl::ddp_zero1> zero(b, rank);
-    whole_adam ddp_opt;
-    dpl::zero_redundancy_optimizer zero_opt(zero, adam_rule{});
+    dpl::optim::optimizer ddp_opt(ddp, dpl::optim::adam{});  // DDP: the whole state on every rank
+    dpl::zero_redundancy_optimizer zero_opt(zero, dpl::optim::adam{});
     std::vector<float> const batch{static_cast<float>(rank.rank() + 1) * 1e-3f};
     auto fn = [](big_model& m, std::span<float const> x, dpl::step_context& ctx) { m.backward(x[0], ctx); };
     auto const ddp_step = [&] {
       ddp.step(batch, fn);
-      ddp_opt.step(a, 1e-3);
+      ddp_opt.step(ddp, 1e-3);
     };
     auto const zero_step = [&] {
       zero.step(batch, fn);
@@ -171,7 +146,7 @@ result run(int world, std::size_t per, int rounds, int steps) {
     for (std::size_t p = 0; p < tensors; ++p) eq = eq && a.w[p] == b.w[p];
     same[static_cast<std::size_t>(rank.rank())] = eq ? 1 : 0;
     if (rank.rank() == 0) {
-      res.ddp_state = ddp_opt.bytes();
+      res.ddp_state = ddp_opt.state_bytes();
       res.zero_state = zero_opt.state_bytes();
     }
   });
