@@ -16,7 +16,7 @@
 //
 // Files (dparallel/io): --save writes the trained model as a safetensors state dict, --init starts
 // from one instead of the seeded initialisation, --save-checkpoint writes the whole training state
-// (model, epoch, step, sampler position, seed; plain SGD has no optimizer state) and --resume
+// (model, epoch, step, sampler position, seed; the optimizer's state for momentum, adam, adamw) and --resume
 // continues from one: a run stopped after k steps (--steps) and resumed gives bitwise the
 // parameters of a run that never stopped. Every rank reads --init and --resume; rank 0 alone
 // writes (the master model in dp, rank 0's replica in ddp: all replicas are equal).

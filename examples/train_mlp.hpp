@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -133,7 +134,8 @@ inline dparallel::distributed_group const* nccl_group = nullptr;
 start_point load_start(config const& cfg);
 void check_outputs_writable(config const& cfg);
 void check_resume(config const& cfg, start_point const& start, training_data const& data);
-void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m);
+void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m,
+                  std::function<void(dparallel::checkpoint&)> const& add_optimizer_state = {});
 
 // ------------------------------------------------------------------------------------------------
 // Modes (train_mlp_modes.cpp)

@@ -44,9 +44,9 @@ start_point load_start(config const& cfg) {
       throw std::runtime_error("--resume " + cfg.resume + ": expected a training checkpoint (as --save-checkpoint "
                                "writes), found no checkpoint marker in it; start from a state dict (as --save "
                                "writes) with --init");
-    dparallel::checkpoint ckpt(s.model);  // plain SGD: no optimizer tensors
+    dparallel::checkpoint ckpt(s.model);  // the model; train() loads it again with the optimizer's state
     try {
-      ckpt.load(cfg.resume);
+      ckpt.load(cfg.resume, {.strict = cfg.optimizer == "sgd"});  // sgd (with or without weight decay) has none
     } catch (dparallel::error const& e) {
       throw std::runtime_error(std::string("--resume: ") + e.what());
     }
@@ -121,14 +121,16 @@ void check_resume(config const& cfg, start_point const& start, training_data con
 
 /// Writes --save and --save-checkpoint (rank 0 only): the model `m`, and the training state
 /// `progress` with the settings that give its sampler position a meaning.
-void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m) {
+void save_outputs(config const& cfg, training_data const& data, dparallel::training_progress const& progress, mlp& m,
+                  std::function<void(dparallel::checkpoint&)> const& add_optimizer_state) {
   if (!cfg.save.empty()) {
     dparallel::save_state_dict(cfg.save, m, {{"steps", std::to_string(progress.step)}});
     std::printf("train_mlp: saved the model after %llu steps to %s\n",
                 static_cast<unsigned long long>(progress.step), cfg.save.c_str());
   }
   if (!cfg.save_checkpoint.empty()) {
-    dparallel::checkpoint ckpt(m);  // plain SGD: no optimizer tensors to register
+    dparallel::checkpoint ckpt(m);
+    if (add_optimizer_state) add_optimizer_state(ckpt);  // momentum, adam, adamw: their state
     ckpt.progress() = progress;
     ckpt.progress().extra = {{"global_batch", std::to_string(cfg.global_batch)},
                              {"sampler_replicas", std::to_string(cfg.sampler_replicas)},

@@ -12,6 +12,7 @@
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
+#include <dparallel/optim/state.hpp>
 
 #include <cmath>
 #include <functional>
@@ -98,13 +99,16 @@ inline void sgd(mlp& m, float lr) {
     for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
 }
 
-/// The update after each step, as --optimizer, --weight-decay and --clip-grad-norm ask: the
-/// defaults keep the plain SGD above (the bits of every earlier run); otherwise an optimizer of
-/// dparallel::optim over `m` (the master, or this DDP rank's replica: every rank updates its own
-/// from the same reduced gradients, so the replicas stay identical), after clipping the gradients.
+/// The update after each step, as --optimizer, --weight-decay and --clip-grad-norm ask (see
+/// make_update), and for the optimizers with state, that state for --save-checkpoint and --resume.
+struct updater {
+  std::function<void(double lr)> step;
+  std::function<void(dparallel::checkpoint&)> add_state;  // empty: no state (plain SGD)
+};
+
 /// `with(rule)` for the update rule --optimizer and --weight-decay name.
 template <class With>
-std::function<void(double)> with_rule(config const& cfg, With&& with) {
+auto with_rule(config const& cfg, With&& with) {
   namespace optim = dparallel::optim;
   std::optional<double> const wd = cfg.weight_decay >= 0 ? std::optional<double>(cfg.weight_decay) : std::nullopt;
   if (cfg.optimizer == "adam") return with(optim::adam({.weight_decay = wd}));
@@ -112,31 +116,52 @@ std::function<void(double)> with_rule(config const& cfg, With&& with) {
   return with(optim::sgd({.momentum = cfg.optimizer == "momentum" ? 0.9 : 0.0, .weight_decay = wd.value_or(0.0)}));
 }
 
-inline std::function<void(double)> make_update(config const& cfg, mlp& m) {
+/// The defaults keep the plain SGD above (the bits of every earlier run); otherwise an optimizer of
+/// dparallel::optim over `m` (the master, or this DDP rank's replica: every rank updates its own
+/// from the same reduced gradients, so the replicas stay identical), after clipping the gradients.
+inline updater make_update(config const& cfg, mlp& m) {
   if (cfg.optimizer == "sgd" && cfg.weight_decay <= 0 && cfg.clip_grad_norm == 0)
-    return [&m](double lr) { sgd(m, static_cast<float>(lr)); };
+    return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}};
   namespace optim = dparallel::optim;
-  return with_rule(cfg, [&m, clip = cfg.clip_grad_norm](auto rule) -> std::function<void(double)> {
+  return with_rule(cfg, [&m, clip = cfg.clip_grad_norm](auto rule) -> updater {
     auto opt = std::make_shared<optim::optimizer<decltype(rule)>>(m, rule);
-    return [&m, opt, clip](double lr) {
-      if (clip > 0) optim::clip_grad_norm(m, clip);
-      opt->step(m, lr);
-    };
+    updater u{[&m, opt, clip](double lr) {
+                if (clip > 0) optim::clip_grad_norm(m, clip);
+                opt->step(m, lr);
+              },
+              {}};
+    if (opt->slots_kept() != 0) u.add_state = [&m, opt](dparallel::checkpoint& ck) { optim::add_to(ck, *opt, m); };
+    return u;
   });
 }
 
 /// --zero 1: the same rule over this rank's shards of the ddp_zero1 wrapper `w` (ZeRO-1), after
-/// clipping the gradient shards (one scalar collective). --optimizer sgd is optim::sgd here.
+/// clipping the gradient shards (one scalar collective). --optimizer sgd is optim::sgd here. Its
+/// sharded state is not checkpointed (the command line refuses --save-checkpoint and --resume).
 template <class Wrapper>
-std::function<void(double)> make_zero_update(config const& cfg, Wrapper& w) {
+updater make_zero_update(config const& cfg, Wrapper& w) {
   namespace optim = dparallel::optim;
-  return with_rule(cfg, [&w, clip = cfg.clip_grad_norm](auto rule) -> std::function<void(double)> {
+  return with_rule(cfg, [&w, clip = cfg.clip_grad_norm](auto rule) -> updater {
     auto opt = std::make_shared<dparallel::zero_redundancy_optimizer<decltype(rule), Wrapper>>(w, rule);
-    return [&w, opt, clip](double lr) {
-      if (clip > 0) optim::clip_grad_norm_sharded(opt->gradient_shards(), w.group(), clip);
-      opt->step(lr);
-    };
+    return {[&w, opt, clip](double lr) {
+              if (clip > 0) optim::clip_grad_norm_sharded(opt->gradient_shards(), w.group(), clip);
+              opt->step(lr);
+            },
+            {}};
   });
+}
+
+/// --resume with an optimizer that has state: the checkpoint again, strictly, with that state (the
+/// model's values are those load_start read). Every rank reads it.
+inline void load_optimizer_state(config const& cfg, updater const& u, mlp& m) {
+  if (cfg.resume.empty() || !u.add_state) return;
+  dparallel::checkpoint ckpt(m);
+  u.add_state(ckpt);
+  try {
+    ckpt.load(cfg.resume);
+  } catch (dparallel::error const& e) {
+    throw std::runtime_error("--resume --optimizer " + cfg.optimizer + ": " + e.what());
+  }
 }
 
 /// Fraction of `test` that `m` classifies correctly.
@@ -177,9 +202,10 @@ struct gpu_master {
 };
 inline void sgd(gpu_master& m, float lr) { m.run->sgd(lr); }
 /// --backend cuda: plain SGD on the GPU (the command line refuses the other optimizers there).
-inline std::function<void(double)> make_update(config const&, gpu_master& m) {
-  return [&m](double lr) { sgd(m, static_cast<float>(lr)); };
+inline updater make_update(config const&, gpu_master& m) {
+  return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}};
 }
+inline void load_optimizer_state(config const&, updater const&, gpu_master&) {}
 inline mlp& host_model(gpu_master& m) {
   m.run->download(m.host);
   return m.host;
@@ -206,11 +232,12 @@ inline mlp& host_model(gpu_master& m) {
 /// epoch's start).
 template <class Master, class Step>
 result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
-             Step&& step, std::function<void(double)> update_override = {}) {
+             Step&& step, updater update_override = {}) {
   result r;
   bool const reports = rank <= 0;
   auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
-  auto const update = update_override ? std::move(update_override) : make_update(cfg, master);
+  updater const update = update_override.step ? std::move(update_override) : make_update(cfg, master);
+  load_optimizer_state(cfg, update, master);
   std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
   auto const epochs = static_cast<std::uint64_t>(cfg.epochs);
   dparallel::training_progress p = start.progress;
@@ -250,7 +277,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
       if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
       r.data_wait_seconds += seconds(batches.last_wait()).count();
       double const loss = step(made->view(), batches.last_wait());
-      update(cfg.lr);
+      update.step(cfg.lr);
       std::size_t const n = global_sizes[j - first];
       loss_sum += loss * static_cast<double>(n);
       samples += n;
@@ -285,7 +312,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
     r.early_steps = static_cast<std::size_t>(p.step);
     r.early = r.params;
   }
-  if (reports) save_outputs(cfg, data, p, host_model(master));
+  if (reports) save_outputs(cfg, data, p, host_model(master), update.add_state);
   return r;
 }
 

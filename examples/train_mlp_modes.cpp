@@ -76,7 +76,7 @@ result run_ddp_mpi(config const& cfg, training_data const& data, start_point con
 /// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
 /// With --zero 1 the wrapper is parallel<mlp, ddp_zero1> and the update make_zero_update's.
 template <class Bundle>
-std::function<void(double)> update_for(config const& cfg, dparallel::parallel<mlp, Bundle>& w) {
+updater update_for(config const& cfg, dparallel::parallel<mlp, Bundle>& w) {
   if constexpr (std::is_same_v<Bundle, dparallel::ddp_zero1>) return make_zero_update(cfg, w);
   else return {};  // train() makes the usual one
 }

@@ -266,10 +266,6 @@ config parse_command_line(int argc, char** argv) {
   if (!cfg.save.empty() && cfg.save == cfg.save_checkpoint)
     throw usage_error("--save and --save-checkpoint: expected two files, found " + cfg.save + " twice");
   if (!cfg.lr_given && (cfg.optimizer == "adam" || cfg.optimizer == "adamw")) cfg.lr = 1e-3;
-  bool const stateful = cfg.optimizer != "sgd";
-  if (stateful && (!cfg.resume.empty() || !cfg.save_checkpoint.empty()))
-    throw usage_error("--optimizer " + cfg.optimizer + " with --resume or --save-checkpoint: this example's "
-                      "checkpoints hold no optimizer state yet; use --optimizer sgd, or --save / --init");
   if (cfg.zero != 0 && (cfg.mode != "ddp" || cfg.backend == "cuda" || cfg.comm == "nccl"))
     throw usage_error("--zero 1: ZeRO-1 shards DDP's optimizer state over host ranks; expected --mode ddp on the "
                       "host backend (--comm thread or mpi), found --mode " + cfg.mode + " --backend " + cfg.backend +

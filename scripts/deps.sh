@@ -40,11 +40,12 @@ dparallel_ensure_bench_packages() {
 # .ci/run builds the tests with clang too and packs the GPU check: their packages, on top of the build's.
 dparallel_ci_packages=(
   clang                  # Debian's clang (14 on bookworm): the `clang` preset
-  clang-16               # the `clang-16` preset
   xz-utils python3       # scripts/gpu-pack compresses, scripts/gpu-check unpacks
 )
 
 dparallel_ensure_ci_packages() {
   dparallel_packages+=("${dparallel_ci_packages[@]}")
+  # clang-16 (the `clang-16` preset) only when DPARALLEL_CI_CLANG asks for it.
+  [[ " ${DPARALLEL_CI_CLANG:-clang} " == *" clang-16 "* ]] && dparallel_packages+=(clang-16)
   dparallel_ensure_packages
 }

@@ -153,7 +153,7 @@ TEST_CASE("sharded clipping (one collective) equals the unsharded computation", 
   }
 }
 
-TEST_CASE("clipping a non-finite norm is an error unless asked; bad arguments are refused", "[optim][clip][error]") {
+TEST_CASE("clipping a non-finite norm is an error unless asked, and bad arguments are refused", "[optim][clip][error]") {
   using Catch::Matchers::Contains;
   model m = with_gradients(5);
   m.g[3][2] = std::numeric_limits<float>::quiet_NaN();

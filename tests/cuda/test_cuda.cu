@@ -315,6 +315,45 @@ TEST_CASE("CUDA streams order work across logical devices and report errors at s
   a.synchronize();  // cleared
 }
 
+TEST_CASE("CUDA held stream: synchronize_here launches on the caller, in order, and leaves its current GPU",
+          "[cuda][stream]") {
+  int const gpus = dpl::cuda::device_count();
+  int const mine = gpus - 1;  // the caller's own GPU; the stream's is GPU 0
+  dpl::cuda::check(cudaSetDevice(mine), "cudaSetDevice");
+  auto const devs = dpl::cuda::logical_devices(2, 0);
+  dpl::cuda::stream a(devs[0]), b(devs[1]);
+  dpl::cuda::device_buffer<float> buf(1 << 16, devs[0]);
+  std::vector<float> ones(1 << 16, 1.0f);
+  std::thread::id ran_on;
+  int current_inside = -1;
+  a.hold();
+  a.enqueue([&] {
+    ran_on = std::this_thread::get_id();
+    (void)cudaGetDevice(&current_inside);
+    dpl::cuda::copy(dpl::cuda::current_stream(), devs[0], buf.view(), dpl::tensor_ref(ones.data(), ones.size(), dpl::dtype::f32));
+  });
+  auto const tripled = a.enqueue([&] { dpl::cuda::scale(dpl::cuda::current_stream(), devs[0], buf.view(), 3.0); });
+  b.wait(tripled);  // another stream may wait for held work: it runs once the caller launches it
+  b.enqueue([&] { dpl::cuda::scale(dpl::cuda::current_stream(), devs[1], buf.view(), 2.0); });
+  a.synchronize_here();
+  CHECK(ran_on == std::this_thread::get_id());
+  CHECK(current_inside == 0);
+  int after = -1;
+  (void)cudaGetDevice(&after);
+  CHECK(after == mine);
+  b.synchronize();
+  auto const got = download(buf);
+  // In order: the copy and the scale on a, then b's scale after them.
+  CHECK(got.front() == 6.0f);
+  CHECK(got.back() == 6.0f);
+  // A held stream's error is reported by synchronize_here and cleared.
+  a.hold();
+  a.enqueue([] { throw std::runtime_error("boom"); });
+  CHECK_THROWS_WITH(a.synchronize_here(), Catch::Contains("boom") && Catch::Contains("device 0"));
+  a.synchronize_here();
+  dpl::cuda::check(cudaSetDevice(0), "cudaSetDevice");
+}
+
 TEST_CASE("CUDA bad input: views on the wrong device and ordinals beyond the count", "[cuda][errors]") {
   int const n = dpl::cuda::device_count();
   CHECK_THROWS_WITH(dpl::cuda::check_device(dpl::device{dpl::device_kind::cuda, n, 0}),

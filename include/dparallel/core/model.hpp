@@ -75,6 +75,20 @@ concept traits_make_replica = requires(M const& m, device d) {
   { model_traits<M>::make_replica(m, d) } -> std::same_as<M>;
 };
 
+/// A range of shapes, each a range of integers: what parameter_shapes() / buffer_shapes() return
+/// (state dicts record them; DDP checks every rank declares the same ones).
+template <class R>
+concept shape_range = std::ranges::input_range<R> && std::ranges::input_range<std::ranges::range_reference_t<R>> &&
+    std::integral<std::remove_cvref_t<std::ranges::range_reference_t<std::ranges::range_reference_t<R>>>>;
+template <class M>
+concept member_parameter_shapes = requires(M& m) {
+  { m.parameter_shapes() } -> shape_range;
+};
+template <class M>
+concept traits_parameter_shapes = requires(M& m) {
+  { model_traits<M>::parameter_shapes(m) } -> shape_range;
+};
+
 struct parameters_fn {
   template <class M>
     requires member_parameters<M> || traits_parameters<M>

@@ -27,20 +27,6 @@
 DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
-/// A range of shapes, each a range of integers (the form of parameter_shapes()).
-template <class R>
-concept declared_shape_range =
-    std::ranges::input_range<R> && std::ranges::input_range<std::ranges::range_reference_t<R>> &&
-    std::integral<std::remove_cvref_t<std::ranges::range_reference_t<std::ranges::range_reference_t<R>>>>;
-template <class M>
-concept member_declared_shapes = requires(M& m) {
-  { m.parameter_shapes() } -> declared_shape_range;
-};
-template <class M>
-concept traits_declared_shapes = requires(M& m) {
-  { model_traits<M>::parameter_shapes(m) } -> declared_shape_range;
-};
-
 /// The model's parameter shapes: declared ones when it has parameter_shapes(), else each
 /// parameter as a 1-D tensor of its size.
 template <class M>
@@ -53,8 +39,8 @@ std::vector<std::vector<std::int64_t>> parameter_shapes_of(M& m) {
       out.push_back(std::move(shape));
     }
   };
-  if constexpr (member_declared_shapes<M>) add(m.parameter_shapes());
-  else if constexpr (traits_declared_shapes<M>) add(model_traits<M>::parameter_shapes(m));
+  if constexpr (member_parameter_shapes<M>) add(m.parameter_shapes());
+  else if constexpr (traits_parameter_shapes<M>) add(model_traits<M>::parameter_shapes(m));
   else
     for (auto const& t : parameter_refs(m)) out.push_back({static_cast<std::int64_t>(t.size())});
   return out;

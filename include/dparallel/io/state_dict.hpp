@@ -72,10 +72,6 @@ namespace detail {
 template <class R>
 concept name_range =
     std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, std::string_view>;
-/// A range of shapes: each a range of integers.
-template <class R>
-concept shape_range = std::ranges::input_range<R> && std::ranges::input_range<std::ranges::range_reference_t<R>> &&
-    std::integral<std::remove_cvref_t<std::ranges::range_reference_t<std::ranges::range_reference_t<R>>>>;
 
 template <class M>
 concept member_parameter_names = requires(M& m) {
@@ -92,14 +88,6 @@ concept member_buffer_names = requires(M& m) {
 template <class M>
 concept traits_buffer_names = requires(M& m) {
   { model_traits<M>::buffer_names(m) } -> name_range;
-};
-template <class M>
-concept member_parameter_shapes = requires(M& m) {
-  { m.parameter_shapes() } -> shape_range;
-};
-template <class M>
-concept traits_parameter_shapes = requires(M& m) {
-  { model_traits<M>::parameter_shapes(m) } -> shape_range;
 };
 template <class M>
 concept member_buffer_shapes = requires(M& m) {

@@ -210,28 +210,19 @@ class stream {
   /// Blocks until every launch and all GPU work of this stream finished, then rethrows (and
   /// clears) the sticky error, or the GPU's fault. The GPU work is waited for even when a launch
   /// failed: memory the caller frees after an error must not be in use by a running kernel.
-  void synchronize() {
-    {
-      std::unique_lock lock(m_);
-      if (!waits_.empty()) {  // waits not yet folded into work: make them, so their errors surface here
-        lock.unlock();
-        (void)record();
-      }
-    }
-    std::exception_ptr failed;
-    try {
-      worker_->synchronize();
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    device_guard g(dev_.index);
-    cudaError_t const e = cudaStreamSynchronize(s_);
-    if (failed) {
-      (void)cudaGetLastError();
-      std::rethrow_exception(failed);
-    }
-    check(e, "cudaStreamSynchronize", dev_);
-  }
+  /// Ends a hold(): the launch thread launches the held work.
+  void synchronize() { finish(false); }
+
+  /// Work enqueued from now on does not wake the launch thread: the caller promises to call
+  /// synchronize_here() (which launches it on the calling thread) or synchronize() (which wakes
+  /// the launch thread) next, and not to block on that work in between. Other streams may wait
+  /// for it meanwhile. parallel<> holds the master's stream during a step, as on the host backend.
+  void hold() { worker_->hold(); }
+
+  /// synchronize() that launches the work the launch thread has not started on the calling
+  /// thread, in order, with this stream's GPU and stream current while each piece runs (the
+  /// calling thread's own current GPU is back afterwards), then waits for the GPU. Ends a hold().
+  void synchronize_here() { finish(true); }
 
   /// Persistent scratch on this stream's GPU (`slot` 0: shards, 1: the reduction's staging), at
   /// least `bytes`; for work running on this stream only (its contents are the stream's until its
@@ -282,11 +273,38 @@ class stream {
     return done;
   }
 
-  // Sets the calling thread's current device and stream for the work it runs.
+  // Launches (here, or on the launch thread) and waits for everything enqueued; see synchronize().
+  void finish(bool here) {
+    {
+      std::unique_lock lock(m_);
+      if (!waits_.empty()) {  // waits not yet folded into work: make them, so their errors surface here
+        lock.unlock();
+        (void)record();
+      }
+    }
+    std::exception_ptr failed;
+    try {
+      if (here) worker_->synchronize_here();
+      else worker_->synchronize();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    device_guard g(dev_.index);
+    cudaError_t const e = cudaStreamSynchronize(s_);
+    if (failed) {
+      (void)cudaGetLastError();
+      std::rethrow_exception(failed);
+    }
+    check(e, "cudaStreamSynchronize", dev_);
+  }
+
+  // Sets the calling thread's current device and stream for the work it runs, and gives the
+  // thread its own current device back afterwards: the work may run on the caller's thread
+  // (synchronize_here), whose current GPU is the user's, not only on the launch thread.
   struct scope {
     detail::current_state saved;
-    explicit scope(stream const& s) : saved(detail::current()) {
-      check(cudaSetDevice(s.dev_.index), "cudaSetDevice", s.dev_);
+    device_guard on;
+    explicit scope(stream const& s) : saved(detail::current()), on(s.dev_.index) {
       detail::current() = detail::current_state{s.s_, s.dev_, true};
     }
     scope(scope const&) = delete;
