@@ -71,6 +71,7 @@ std::string exact(double v) {
 std::string to_json(config const& cfg, result const& r, training_data const& data, blas_info::report const& blas) {
   return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"" + cfg.backend + "\"" +
          (cfg.mode == "ddp" ? ",\"comm\":\"" + cfg.comm + "\"" : std::string()) +
+         (cfg.zero != 0 ? ",\"zero\":" + std::to_string(cfg.zero) : std::string()) +
          ",\"devices\":" + std::to_string(r.devices) +
          ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
          ",\"lr\":" + number(cfg.lr) + ",\"seed\":" + std::to_string(cfg.seed) +

@@ -62,11 +62,12 @@ struct config {
   std::string save;             // --save: the trained model's state dict
   std::string save_checkpoint;  // --save-checkpoint: the training state at the end
   // The update after each step (train_mlp_loop.hpp's make_update). The defaults are plain SGD, the
-  // same bits as before these options existed. (Room for --zero 1: it would pick the sharded form.)
+  // same bits as before these options existed. --zero 1 picks the sharded form (ZeRO-1).
   std::string optimizer = "sgd";  // --optimizer: sgd, momentum (0.9), adam or adamw
   double weight_decay = -1;       // --weight-decay; -1: the optimizer's default (0; adamw: 0.01)
   double clip_grad_norm = 0;      // --clip-grad-norm: max total 2-norm of the gradients (0: no clipping)
   bool lr_given = false;          // --lr given (adam, adamw: default 1e-3 instead of 0.1)
+  int zero = 0;                   // --zero 1: ddp_zero1 + zero_redundancy_optimizer (ZeRO stage 1)
 };
 
 /// A bad command line: reported with exit code 2.

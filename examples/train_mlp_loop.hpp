@@ -10,6 +10,7 @@
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/clip.hpp>
 #include <dparallel/optim/optimizer.hpp>
+#include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
 #include <dparallel/optim/state.hpp>
 
@@ -105,6 +106,16 @@ struct updater {
   std::function<void(dparallel::checkpoint&)> add_state;  // empty: no state (plain SGD)
 };
 
+/// `with(rule)` for the update rule --optimizer and --weight-decay name.
+template <class With>
+auto with_rule(config const& cfg, With&& with) {
+  namespace optim = dparallel::optim;
+  std::optional<double> const wd = cfg.weight_decay >= 0 ? std::optional<double>(cfg.weight_decay) : std::nullopt;
+  if (cfg.optimizer == "adam") return with(optim::adam({.weight_decay = wd}));
+  if (cfg.optimizer == "adamw") return with(optim::adamw({.weight_decay = wd}));
+  return with(optim::sgd({.momentum = cfg.optimizer == "momentum" ? 0.9 : 0.0, .weight_decay = wd.value_or(0.0)}));
+}
+
 /// The defaults keep the plain SGD above (the bits of every earlier run); otherwise an optimizer of
 /// dparallel::optim over `m` (the master, or this DDP rank's replica: every rank updates its own
 /// from the same reduced gradients, so the replicas stay identical), after clipping the gradients.
@@ -112,7 +123,7 @@ inline updater make_update(config const& cfg, mlp& m) {
   if (cfg.optimizer == "sgd" && cfg.weight_decay <= 0 && cfg.clip_grad_norm == 0)
     return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}};
   namespace optim = dparallel::optim;
-  auto with = [&m, clip = cfg.clip_grad_norm](auto rule) -> updater {
+  return with_rule(cfg, [&m, clip = cfg.clip_grad_norm](auto rule) -> updater {
     auto opt = std::make_shared<optim::optimizer<decltype(rule)>>(m, rule);
     updater u{[&m, opt, clip](double lr) {
                 if (clip > 0) optim::clip_grad_norm(m, clip);
@@ -121,11 +132,23 @@ inline updater make_update(config const& cfg, mlp& m) {
               {}};
     if (opt->slots_kept() != 0) u.add_state = [&m, opt](dparallel::checkpoint& ck) { optim::add_to(ck, *opt, m); };
     return u;
-  };
-  std::optional<double> const wd = cfg.weight_decay >= 0 ? std::optional<double>(cfg.weight_decay) : std::nullopt;
-  if (cfg.optimizer == "adam") return with(optim::adam({.weight_decay = wd}));
-  if (cfg.optimizer == "adamw") return with(optim::adamw({.weight_decay = wd}));
-  return with(optim::sgd({.momentum = cfg.optimizer == "momentum" ? 0.9 : 0.0, .weight_decay = wd.value_or(0.0)}));
+  });
+}
+
+/// --zero 1: the same rule over this rank's shards of the ddp_zero1 wrapper `w` (ZeRO-1), after
+/// clipping the gradient shards (one scalar collective). --optimizer sgd is optim::sgd here. Its
+/// sharded state is not checkpointed (the command line refuses --save-checkpoint and --resume).
+template <class Wrapper>
+updater make_zero_update(config const& cfg, Wrapper& w) {
+  namespace optim = dparallel::optim;
+  return with_rule(cfg, [&w, clip = cfg.clip_grad_norm](auto rule) -> updater {
+    auto opt = std::make_shared<dparallel::zero_redundancy_optimizer<decltype(rule), Wrapper>>(w, rule);
+    return {[&w, opt, clip](double lr) {
+              if (clip > 0) optim::clip_grad_norm_sharded(opt->gradient_shards(), w.group(), clip);
+              opt->step(lr);
+            },
+            {}};
+  });
 }
 
 /// --resume with an optimizer that has state: the checkpoint again, strictly, with that state (the
@@ -192,7 +215,8 @@ inline mlp& host_model(gpu_master& m) {
 /// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
 /// double` is the mode: it returns the mean loss over the global batch and leaves the gradient of
 /// that mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
-/// the wrapper's profile). Then the optimizer (make_update) updates `master`; after each epoch `master` is evaluated on the test set.
+/// the wrapper's profile). Then the optimizer (make_update, or `update_override` when given: ZeRO-1's)
+/// updates `master`; after each epoch `master` is evaluated on the test set.
 /// `master` is an mlp, or a gpu_master on the CUDA backend (see host_model).
 /// `rank` is -1 for modes that see the whole global batch; a DDP rank passes its rank and gets
 /// only its own part of every batch (rank 0 alone evaluates, prints and writes files).
@@ -208,11 +232,11 @@ inline mlp& host_model(gpu_master& m) {
 /// epoch's start).
 template <class Master, class Step>
 result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
-             Step&& step) {
+             Step&& step, updater update_override = {}) {
   result r;
   bool const reports = rank <= 0;
   auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
-  updater const update = make_update(cfg, master);
+  updater const update = update_override.step ? std::move(update_override) : make_update(cfg, master);
   load_optimizer_state(cfg, update, master);
   std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
   auto const epochs = static_cast<std::uint64_t>(cfg.epochs);

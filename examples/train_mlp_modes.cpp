@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 
 namespace example {
 
@@ -85,15 +86,20 @@ void use_comm_hook(config const& cfg, Ddp& ddp) {
 /// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
 /// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
 /// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
-result run_ddp(config const& cfg, training_data const& data, start_point const& start) {
-#if DPARALLEL_EXAMPLE_MPI
-  if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data, start);
-#endif
+/// With --zero 1 the wrapper is parallel<mlp, ddp_zero1> and the update make_zero_update's.
+template <class Bundle>
+updater update_for(config const& cfg, dparallel::parallel<mlp, Bundle>& w) {
+  if constexpr (std::is_same_v<Bundle, dparallel::ddp_zero1>) return make_zero_update(cfg, w);
+  else return {};  // train() makes the usual one
+}
+
+template <class Bundle>
+result run_ddp_as(config const& cfg, training_data const& data, start_point const& start) {
   result out;
   dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
     mlp model = start.model;
-    dparallel::distributed_data_parallel<mlp> ddp(model, rank.group());
-    use_comm_hook(cfg, ddp);
+    dparallel::parallel<mlp, Bundle> ddp(model, rank.group());
+    if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
     result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
       ddp.note_data_wait(waited);
       float const loss =
@@ -103,7 +109,7 @@ result run_ddp(config const& cfg, training_data const& data, start_point const& 
                                  static_cast<double>(b.images.rows())};
       rank.group().all_reduce(dparallel::view(sums)).wait();
       return sums[0] / sums[1];
-    });
+    }, update_for(cfg, ddp));
     if (rank.rank() == 0) {
       out = r;
       print_profile(cfg, ddp);
@@ -113,14 +119,22 @@ result run_ddp(config const& cfg, training_data const& data, start_point const& 
   return out;
 }
 
+result run_ddp(config const& cfg, training_data const& data, start_point const& start) {
+#if DPARALLEL_EXAMPLE_MPI
+  if (cfg.comm == "mpi") return run_ddp_mpi(cfg, data, start);
+#endif
+  return cfg.zero != 0 ? run_ddp_as<dparallel::ddp_zero1>(cfg, data, start) : run_ddp_as<dparallel::ddp>(cfg, data, start);
+}
+
 #if DPARALLEL_EXAMPLE_MPI
 /// DDP with one rank per MPI process: the same training as run_ddp, over the MPI group; each
 /// process reads its own part of every global batch. Returns rank 0's result on rank 0.
-result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start) {
+template <class Bundle>
+result run_ddp_mpi_as(config const& cfg, training_data const& data, start_point const& start) {
   dparallel::process_group const& group = *mpi_group;
   mlp model = start.model;
-  dparallel::distributed_data_parallel<mlp> ddp(model, group);
-  use_comm_hook(cfg, ddp);
+  dparallel::parallel<mlp, Bundle> ddp(model, group);
+  if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
   result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
     ddp.note_data_wait(waited);
     float const loss =
@@ -129,10 +143,15 @@ result run_ddp_mpi(config const& cfg, training_data const& data, start_point con
                                static_cast<double>(b.images.rows())};
     group.all_reduce(dparallel::view(sums)).wait();
     return sums[0] / sums[1];
-  });
+  }, update_for(cfg, ddp));
   r.devices = group.size();
   if (group.rank() == 0) print_profile(cfg, ddp);
   return r;
+}
+
+result run_ddp_mpi(config const& cfg, training_data const& data, start_point const& start) {
+  return cfg.zero != 0 ? run_ddp_mpi_as<dparallel::ddp_zero1>(cfg, data, start)
+                       : run_ddp_mpi_as<dparallel::ddp>(cfg, data, start);
 }
 #endif
 

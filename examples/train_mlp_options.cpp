@@ -51,6 +51,9 @@ void print_usage(std::FILE* out) {
                "                 decoupled for adamw\n"
                "  --clip-grad-norm X  before each update, scale the gradients to a total 2-norm of at most X\n"
                "                 (dparallel::optim::clip_grad_norm; default: no clipping)\n"
+               "  --zero Z       ddp only: 1 shards the optimizer state over the ranks (ZeRO stage 1:\n"
+               "                 dparallel::ddp_zero1 and zero_redundancy_optimizer; the same parameters as\n"
+               "                 without it); 0: every rank holds the whole state (default)\n"
                "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1; --init\n"
                "                 replaces the initialisation, --resume brings the checkpoint's seed)\n"
                "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
@@ -207,6 +210,8 @@ config parse_command_line(int argc, char** argv) {
         throw usage_error("--optimizer: expected sgd, momentum, adam or adamw, found '" + cfg.optimizer + "'");
     } else if (arg == "--weight-decay") {
       cfg.weight_decay = parse_non_negative(arg, next());
+    } else if (arg == "--zero") {
+      cfg.zero = parse_int<int>(arg, next(), 0, 1);
     } else if (arg == "--clip-grad-norm") {
       cfg.clip_grad_norm = parse_positive(arg, next());
     } else if (arg == "--seed") {
@@ -272,6 +277,16 @@ config parse_command_line(int argc, char** argv) {
   if (!cfg.save.empty() && cfg.save == cfg.save_checkpoint)
     throw usage_error("--save and --save-checkpoint: expected two files, found " + cfg.save + " twice");
   if (!cfg.lr_given && (cfg.optimizer == "adam" || cfg.optimizer == "adamw")) cfg.lr = 1e-3;
+  if (cfg.zero != 0 && (cfg.mode != "ddp" || cfg.backend == "cuda" || cfg.comm == "nccl"))
+    throw usage_error("--zero 1: ZeRO-1 shards DDP's optimizer state over host ranks; expected --mode ddp on the "
+                      "host backend (--comm thread or mpi), found --mode " + cfg.mode + " --backend " + cfg.backend +
+                      " --comm " + cfg.comm);
+  if (cfg.zero != 0 && (!cfg.resume.empty() || !cfg.save_checkpoint.empty()))
+    throw usage_error("--zero 1 with --resume or --save-checkpoint: this example's checkpoints hold no optimizer "
+                      "state; use --save / --init");
+  if (cfg.zero != 0 && cfg.comm_hook != "none")
+    throw usage_error("--zero 1 with --comm-hook " + cfg.comm_hook +
+                      ": a communication hook reduces whole buckets, ZeRO-1 reduce-scatters them; choose one");
   if (cfg.comm == "mpi" && cfg.mode != "ddp")
     throw usage_error("--comm mpi: only --mode ddp runs over MPI processes, found --mode " + cfg.mode);
   if (cfg.comm == "nccl" && cfg.mode != "ddp")

@@ -18,6 +18,7 @@
 #include <dparallel/detail/replica_set.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
 #include <dparallel/policy/bucketed_reduce.hpp>
+#include <dparallel/policy/bucketed_reduce_scatter.hpp>
 #include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replica_set.hpp>
@@ -85,6 +86,16 @@ struct ddp {
   using gather = policy::local_output;
 };
 static_assert(semantics<ddp>);
+
+/// DDP with ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer over DDP): each bucket's gradient is
+/// reduce-scattered instead of all-reduced, overlapped with backward as in ddp, so each rank ends
+/// the step with its shard of the averaged gradient; a zero_redundancy_optimizer over the wrapper
+/// updates that shard with 1/N of the optimizer state and all-gathers the parameters.
+struct ddp_zero1 : dparallel::ddp {
+  /// Bucketed reduce-scatter, averaged over the ranks, overlapped with backward.
+  using reduce = policy::bucketed_reduce_scatter;
+};
+static_assert(semantics<ddp_zero1>);
 
 /// True for bundles whose wrappers span the ranks of a process group (DDP and its variants).
 template <class S>
@@ -211,7 +222,9 @@ class parallel {
   [[nodiscard]] Model& replica(std::size_t i) { return *rs_.models.at(i); }
   /// The reduce policy object (e.g. to inspect DDP's bucket plan).
   [[nodiscard]] reduce_type const& reducer() const noexcept { return reduce_; }
-  /// The reduce policy object, mutable (e.g. DDP's register_comm_hook, between steps).
+  /// The reduce policy object, mutable: for objects that work with it between steps (DDP's
+  /// register_comm_hook; ZeRO-1's zero_redundancy_optimizer updates and all-gathers through its
+  /// buckets).
   [[nodiscard]] reduce_type& reducer() noexcept { return reduce_; }
   /// DDP: this rank's process group.
   [[nodiscard]] process_group const& group() const noexcept { return rs_.group; }

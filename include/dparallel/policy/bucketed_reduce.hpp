@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -41,8 +42,19 @@ namespace policy {
 ///   them, with an error that says why.
 /// - register_comm_hook (the all-reduce form only) replaces each bucket's average by a hook's
 ///   reduction (policy/comm_hook.hpp); without one, the buckets are averaged by the group.
-template <bool ToRoot>
+///
+/// `Sharded` is void for DDP. A class derived from `bucketed_reduce<false, Derived>` (CRTP) takes
+/// over what is generic to sharding the reduction (ZeRO-1: policy::bucketed_reduce_scatter): how
+/// many elements each bucket's storage holds (`padded_elements`), the collective each
+/// synchronised bucket starts (`launch_bucket`), whether the reduced buckets are written back to
+/// the gradients (`scattering`), and what follows a synchronised step (`reduced`, after the
+/// one-time rebuild); `on_plan` runs after every bucket plan. A sharded reduction takes no
+/// communication hook (a hook reduces whole buckets).
+template <bool ToRoot, class Sharded = void>
 class bucketed_reduce {
+  friend Sharded;  // ignored when Sharded is void
+  static constexpr bool sharded = !std::is_void_v<Sharded>;
+
  public:
   /// The current bucket plan, in launch order.
   [[nodiscard]] std::vector<bucket_spec> const& buckets() const noexcept { return buckets_; }
@@ -60,7 +72,7 @@ class bucketed_reduce {
   /// Reduces each bucket with `hook` (and its `state`) instead of the group's average, from the
   /// next step on; see policy/comm_hook.hpp. Every rank must register the same kind of hook.
   template <class State, class Hook>
-    requires(!ToRoot && comm_hook<Hook, State>)
+    requires(!ToRoot && !sharded && comm_hook<Hook, State>)
   void register_comm_hook(State state, Hook hook) {
     hook_.set(std::move(state), std::move(hook));
   }
@@ -140,7 +152,12 @@ class bucketed_reduce {
     bool const had_accum = !accum_.empty();
     storage_.clear();
     accum_.clear();
-    for (auto const& b : buckets_) storage_.push_back(backend::allocate(s.devices[0], b.elements * size_of(b.dtype)));
+    for (auto const& b : buckets_) {
+      std::size_t elements = b.elements;
+      if constexpr (sharded) elements = Sharded::padded_elements(b.elements, s.world_size());
+      storage_.push_back(backend::allocate(s.devices[0], elements * size_of(b.dtype)));
+    }
+    if constexpr (sharded) static_cast<Sharded&>(*this).on_plan(s);
     // A rebuild (after a synchronised step: nothing is accumulated) lays the no_sync storage out
     // anew at once when it was in use, so the steps after the rebuild allocate nothing.
     if (had_accum) allocate_accum(s);
@@ -360,7 +377,8 @@ class bucketed_reduce {
   void launch_ready(Set& s) {
     while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
       tensor_ref const whole = bucket_ref(s, next_bucket_);
-      if (hook_.active())
+      if constexpr (sharded) works_[next_bucket_] = static_cast<Sharded&>(*this).launch_bucket(s, next_bucket_, whole);
+      else if (hook_.active())
         works_[next_bucket_] = hook_.launch(s.group, next_bucket_, whole, buckets_[next_bucket_], counts_);
       else
         works_[next_bucket_] = ToRoot ? s.group.reduce(whole, 0, reduce_op::avg) : s.group.all_reduce(whole, reduce_op::avg);
@@ -410,7 +428,9 @@ class bucketed_reduce {
         if (r.data() != whole.data()) ops::copy(whole, r);
       }
     }
-    if (!view_ && (!ToRoot || s.group.rank() == 0)) {
+    bool keep = false;  // a sharded reduction keeps its result in the shards
+    if constexpr (sharded) keep = static_cast<Sharded const&>(*this).scattering();
+    if (!view_ && (!ToRoot || s.group.rank() == 0) && !keep) {
       for (std::size_t i = 0; i < n; ++i) {
         auto const& spec = buckets_[bucket_of_[i]];
         ops::copy(s.grads[0][i], view_in(storage_[bucket_of_[i]], spec, slot_of_[i], counts_[i], s.devices[0]));
@@ -429,6 +449,7 @@ class bucketed_reduce {
       std::vector<std::size_t> o(order.begin(), order.end());
       plan(s, o);
     }
+    if constexpr (sharded) static_cast<Sharded&>(*this).reduced(s);
   }
 
   std::vector<bucket_spec> buckets_;

@@ -1,0 +1,113 @@
+#pragma once
+// ZeRO-1 against DDP: one training run of either on any process group, with an update rule
+// applied to whole tensors under DDP (optim::optimizer) and to each rank's shard of the buckets
+// under ZeRO-1 (zero_redundancy_optimizer): the test's own (Adam's arithmetic) or the library's. Shared by tests/test_zero.cpp (thread ranks)
+// and tests/mpi/test_mpi_zero.cpp (MPI processes).
+#include "models.hpp"
+
+#include <dparallel/dparallel.hpp>
+#include <dparallel/optim/optimizer.hpp>
+#include <dparallel/optim/rule.hpp>
+#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace test {
+
+/// Adam's update (bias-corrected moments, eps outside the square root, L2 weight decay) as an
+/// update_rule: enough arithmetic that any element updated twice, skipped, or fed the wrong
+/// gradient or state shows in the bits.
+struct adam_like {
+  static constexpr std::size_t slot_count = 2;
+  static constexpr std::array<std::string_view, 2> slot_names{"exp_avg", "exp_avg_sq"};
+  struct step_constants {
+    float lr, bc1, bc2;
+  };
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.01f;
+  step_constants constants(std::uint64_t step, double lr) const {
+    auto const t = static_cast<double>(step);
+    return {static_cast<float>(lr), static_cast<float>(1 - std::pow(double(beta1), t)),
+            static_cast<float>(1 - std::pow(double(beta2), t))};
+  }
+  void apply(step_constants const& c, std::span<float> p, std::span<float const> g, std::span<float* const> s) const {
+    float* m = s[0];
+    float* v = s[1];
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      float const gi = g[i] + weight_decay * p[i];
+      m[i] = beta1 * m[i] + (1 - beta1) * gi;
+      v[i] = beta2 * v[i] + (1 - beta2) * gi * gi;
+      p[i] -= c.lr * (m[i] / c.bc1) / (std::sqrt(v[i] / c.bc2) + eps);
+    }
+  }
+};
+static_assert(dparallel::optim::update_rule<adam_like>);
+
+/// The parameter sizes of the test model: 23 elements (divisible by none of 2, 3, 4), a
+/// one-element tensor (with tiny buckets, a bucket smaller than the world).
+inline std::vector<std::size_t> zero_sizes() { return {3, 5, 1, 8, 2, 4}; }
+
+/// Buckets of one or two elements (first cap 4 bytes, then 8).
+inline dparallel::options zero_tiny_buckets() {
+  return {.bucket_cap_mb = 8.0 / (1024 * 1024), .first_bucket_cap_mb = 4.0 / (1024 * 1024)};
+}
+
+/// What one rank saw: its parameters after training, their hash after every step, its state bytes.
+struct zero_run {
+  std::vector<double> params;
+  std::vector<std::uint64_t> hashes;
+  std::size_t state_bytes = 0;
+  std::size_t expected_state_bytes = 0;  // ZeRO-1: slots * 4 * sum over buckets of ceil(elements / N)
+  std::size_t valid_elements = 0;        // ZeRO-1: this rank's shard elements that are parameters
+};
+
+/// 20 steps (by default) of DDP with optim::optimizer (zero = false) or ZeRO-1 with
+/// zero_redundancy_optimizer, both with `rule`, on `group`, each rank on its slice of a fresh
+/// batch per step; `hook`: gradients marked ready during backward.
+template <dparallel::optim::update_rule Rule = adam_like>
+zero_run train_zero_or_ddp(dparallel::process_group const& group, bool zero, bool hook, bool tiny, Rule rule = {},
+                           int steps = 20) {
+  using model = chunked<float>;
+  int const world = group.size(), rank = group.rank();
+  model m(zero_sizes(), static_cast<std::uint64_t>(7 + rank));  // differs until broadcast
+  dparallel::options const opts = tiny ? zero_tiny_buckets() : dparallel::options{};
+  zero_run out;
+  auto const fn = [hook](model& r, samples<float> s, dparallel::step_context& ctx) {
+    return hook ? r.forward_backward(s, &ctx) : r.forward_backward(s);
+  };
+  auto const train = [&](auto& w, auto& opt) {
+    for (int k = 0; k < steps; ++k) {
+      auto const d = dataset<float>::make(4 * static_cast<std::size_t>(world), m.dim,
+                                          static_cast<std::uint64_t>(k + 1), false);
+      w.step(dparallel::slice_batch(d.all(), static_cast<std::size_t>(rank) * 4, static_cast<std::size_t>(rank + 1) * 4), fn);
+      opt.step(w, 0.01);
+      out.hashes.push_back(param_hash(m));
+    }
+    out.state_bytes = opt.state_bytes();
+  };
+  if (zero) {
+    dparallel::parallel<model, dparallel::ddp_zero1> w(m, group, opts);
+    dparallel::zero_redundancy_optimizer opt(w, rule);
+    train(w, opt);
+    auto const& r = w.reducer();
+    auto const n = static_cast<std::size_t>(world);
+    for (std::size_t b = 0; b < r.buckets().size(); ++b) {
+      out.expected_state_bytes +=
+          dparallel::optim::active_slots(rule) * sizeof(float) * ((r.buckets()[b].elements + n - 1) / n);
+      out.valid_elements += r.shard_valid(b);
+    }
+  } else {
+    dparallel::distributed_data_parallel<model> w(m, group, opts);
+    dparallel::optim::optimizer opt(w, rule);
+    train(w, opt);
+  }
+  out.params = flat(m, false);
+  return out;
+}
+
+}  // namespace test
