@@ -133,8 +133,10 @@ class tensor_ref {
   /// The typed view; throws invalid_argument when T is not this view's dtype.
   template <element T>
   [[nodiscard]] tensor_view<T> as() const {
-    detail::require(dtype_v<T> == dtype_, "tensor_ref::as: expected dtype " + std::string(name_of(dtype_)) +
-                                              ", asked for " + std::string(name_of(dtype_v<T>)));
+    detail::require(dtype_v<T> == dtype_, [&] {  // the text only on failure: this runs every step
+      return "tensor_ref::as: expected dtype " + std::string(name_of(dtype_)) + ", asked for " +
+             std::string(name_of(dtype_v<T>));
+    });
     return tensor_view<T>(static_cast<T*>(data_), size_, device_);
   }
   /// Elements [first, first + count) as a view of the same dtype and device.

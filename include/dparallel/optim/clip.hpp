@@ -135,6 +135,9 @@ inline double clip_grad_norm(std::span<tensor_ref const> grads, double max_norm,
 template <class X>
   requires(!std::convertible_to<X&, std::span<tensor_ref const>>)
 double clip_grad_norm(X& model_or_wrapper, double max_norm, clip_options const& o = {}) {
+  static_assert(!detail::shards_gradients<X>,
+                "dparallel: clip_grad_norm over a ddp_zero1 wrapper would clip this rank's own, unaveraged "
+                "gradients: use clip_grad_norm_sharded with zero_redundancy_optimizer::gradient_shards()");
   auto const grads = gradient_refs(dparallel::detail::unwrap_model(model_or_wrapper));
   return clip_grad_norm(std::span<tensor_ref const>(grads), max_norm, o);
 }

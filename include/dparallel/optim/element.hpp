@@ -76,6 +76,11 @@ inline void require_non_negative(double value, std::string_view what) {
     throw invalid_argument("dparallel: " + std::string(what) + ": expected a finite value >= 0, found " +
                            shortest(value));
 }
+/// A wrapper whose reduction leaves each rank only a shard of the averaged gradients (ZeRO-1:
+/// its reduce policy says so with `shards_gradients`).
+template <class X>
+inline constexpr bool shards_gradients = requires { requires X::reduce_type::shards_gradients; };
+
 }  // namespace detail
 
 /// An update_rule whose arithmetic is written once per element (see the top of optim/element.hpp),

@@ -102,6 +102,9 @@ class optimizer {
   /// module() it updates). Every parameter must be f32 and all of them on one device.
   template <class X>
   explicit optimizer(X& model_or_wrapper, Rule rule = Rule{}) : rule_(std::move(rule)) {
+    static_assert(!detail::shards_gradients<X>,
+                  "dparallel: optim::optimizer over a ddp_zero1 wrapper would update from this rank's own, "
+                  "unaveraged gradients: use zero_redundancy_optimizer (dparallel/policy/zero_redundancy_optimizer.hpp)");
     auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
     using M = std::remove_cvref_t<decltype(m)>;
     static_assert(check_model<M>());
@@ -139,6 +142,9 @@ class optimizer {
   /// for (parameter count, sizes, dtypes, device) or `lr` is invalid; then nothing changed.
   template <class X>
   void step(X& model_or_wrapper, double lr) {
+    static_assert(!detail::shards_gradients<X>,
+                  "dparallel: optim::optimizer over a ddp_zero1 wrapper would update from this rank's own, "
+                  "unaveraged gradients: use zero_redundancy_optimizer (dparallel/policy/zero_redundancy_optimizer.hpp)");
     auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
     params_.clear();
     grads_.clear();

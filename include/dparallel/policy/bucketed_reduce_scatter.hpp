@@ -50,6 +50,10 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   friend base;
 
  public:
+  /// Each rank keeps only its shard of the averaged gradients: module()'s own gradients are not
+  /// the average, so whole-model optimizers and clip_grad_norm refuse such a wrapper.
+  static constexpr bool shards_gradients = true;
+
   /// Elements of a bucket of `elements` gradients once padded for `world` ranks: the next
   /// multiple of `world` (0 stays 0).
   [[nodiscard]] static constexpr std::size_t padded_elements(std::size_t elements, int world) noexcept {
