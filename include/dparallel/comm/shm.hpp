@@ -158,10 +158,10 @@ class communicator {
     std::string problem = tensor_problem(x, xn);
     if (problem.empty() && yn != nullptr) problem = tensor_problem(y, yn);
     if (problem.empty() && c.reduces() && !dparallel::detail::shm_reducible(c.type))
-      problem = "the shared-memory communicator reduces F32, F64, I32, I64 and U8, found " +
+      problem = "the shared-memory communicator reduces F32, F64, F16, BF16, I32, I64 and U8, found " +
                 std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype";
     if (problem.empty() && c.reduces() && c.op == reduce_op::avg && !dparallel::detail::host_reducible(c.type))
-      problem = "avg needs a floating-point dtype (F32, F64), found " + std::string(name_of(c.type)) + "; use sum";
+      problem = "avg needs a floating-point dtype (F32, F64, F16, BF16), found " + std::string(name_of(c.type)) + "; use sum";
     if (problem.empty() && c.rooted()) problem = dparallel::detail::root_problem(c.root, size());
     if (problem.empty() && c.kind == kind::reduce_scatter)  // out is the small one
       problem = dparallel::detail::blocks_problem(x, y, xn, yn, size(), rank());
