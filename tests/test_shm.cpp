@@ -319,7 +319,8 @@ TEST_CASE("shm: integer sums wrap exactly and are the same on every rank", "[shm
       std::vector<std::int32_t> i32(len);
       std::vector<std::uint8_t> u8(len);
       for (std::size_t i = 0; i < len; ++i) {
-        i32[i] = static_cast<std::int32_t>(i) * (rank + 1) + 2147483000;
+        // Computed unsigned (wrapping) and converted: near INT32_MAX, the signed sum would overflow.
+        i32[i] = static_cast<std::int32_t>(static_cast<std::uint32_t>(i) * static_cast<std::uint32_t>(rank + 1) + 2147483000u);
         u8[i] = static_cast<std::uint8_t>(i * 3 + static_cast<std::size_t>(rank) * 100);
       }
       g.all_reduce(dpl::view(i32)).wait();
@@ -329,7 +330,7 @@ TEST_CASE("shm: integer sums wrap exactly and are the same on every rank", "[shm
         std::uint32_t w32 = 0;
         std::uint8_t w8 = 0;
         for (int k = 0; k < n; ++k) {
-          w32 += static_cast<std::uint32_t>(static_cast<std::int32_t>(i) * (k + 1) + 2147483000);
+          w32 += static_cast<std::uint32_t>(i) * static_cast<std::uint32_t>(k + 1) + 2147483000u;
           w8 = static_cast<std::uint8_t>(w8 + i * 3 + static_cast<std::size_t>(k) * 100);
         }
         wrong += static_cast<std::uint32_t>(i32[i]) != w32;
