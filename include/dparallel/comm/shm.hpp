@@ -135,14 +135,7 @@ class communicator {
 
  private:
   using kind = dparallel::detail::comm_kind;
-  struct task {
-    std::uint64_t seq = 0;
-    dparallel::detail::comm_call call;
-    tensor_ref a;
-    tensor_ref b;
-    std::chrono::milliseconds timeout{};
-    dparallel::detail::work_promise done;
-  };
+  using task = dparallel::detail::comm_task;
 
   work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
     dparallel::detail::work_promise p;

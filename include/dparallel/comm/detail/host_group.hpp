@@ -31,6 +31,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/spin.hpp>
@@ -92,6 +93,17 @@ struct comm_call {
     return a.type == b.type && a.count == b.count && (!a.reduces() || a.op == b.op) &&
            (!a.rooted() || a.root == b.root);
   }
+};
+
+/// One collective queued by a rank's engine (host threads, shared memory, MPI): its sequence
+/// number, what was called, its tensors, its timeout, and the promise its work completes.
+struct comm_task {
+  std::uint64_t seq = 0;
+  comm_call call;
+  tensor_ref a;
+  tensor_ref b;
+  std::chrono::milliseconds timeout{};
+  work_promise done;
 };
 
 /// "all_reduce(1000 x F32, sum)", "broadcast(7 x I32, root 0)", "all_gather(out 21 x F32, in 7 x F32)".

@@ -121,14 +121,7 @@ inline std::string thread_level_name(int level) {
 
 // --- one collective ---------------------------------------------------------------------------
 
-struct mpi_task {
-  std::uint64_t seq = 0;
-  comm_call call;
-  tensor_ref a;
-  tensor_ref b;
-  std::chrono::milliseconds timeout{};
-  work_promise done;
-};
+using mpi_task = comm_task;  // the record every engine queues (comm/detail/host_group.hpp)
 
 /// A collective being executed: MPI requests started one after the other. On failure the whole
 /// object (its request and staging memory) is kept as an orphan until MPI completes the request.
