@@ -270,3 +270,32 @@ TEST_CASE("A ZeRO-1 shard set missing a rank's file, another optimizer's or anot
       CHECK_THAT(e, Catch::Contains("expected an optimizer that has taken a step"));
   }
 }
+
+TEST_CASE("A ZeRO-1 save replaces what earlier saves to the same path left, in either mode and on any world size",
+          "[host][zero][checkpoint]") {
+  auto const dir = test::scratch_dir("test_zero_reshard", "replace");
+  auto const path = dir / "opt.safetensors";
+  struct save_step {
+    int world, steps;
+    optim::zero_save_mode mode;
+  };
+  for (auto const s : {save_step{2, 3, optim::zero_save_mode::gathered}, save_step{3, 2, optim::zero_save_mode::sharded},
+                       save_step{2, 4, optim::zero_save_mode::sharded}, save_step{3, 1, optim::zero_save_mode::gathered}}) {
+    INFO(s.world << " ranks, " << s.steps << " steps, " << mode_name(s.mode));
+    for (auto const& e : messages(s.world, [&](dpl::rank_context& ctx) {
+           train_zero(ctx, optim::adamw(), test::zero_sizes(), s.steps,
+                      [&](auto&, auto& opt) { optim::save_zero_state(path, opt, s.mode); });
+         }))
+      REQUIRE(e.empty());
+    std::vector<std::uint64_t> loaded(2);
+    for (auto const& e : messages(2, [&](dpl::rank_context& ctx) {
+           train_zero(ctx, optim::adamw(), test::zero_sizes(), 0, [&](auto&, auto& opt) {
+             optim::load_zero_state(path, opt);
+             loaded[static_cast<std::size_t>(ctx.rank())] = opt.steps();
+           });
+         }))
+      CHECK(e.empty());
+    CHECK(loaded == std::vector<std::uint64_t>(2, static_cast<std::uint64_t>(s.steps)));
+    CHECK(fs::exists(path) == (s.mode == optim::zero_save_mode::gathered));
+  }
+}

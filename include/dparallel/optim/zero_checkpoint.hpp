@@ -70,9 +70,10 @@ enum class zero_save_mode {
 };
 
 /// Saves the state of `opt` (every kept slot, and the step count) for resuming on any number of
-/// ranks: `mode` sharded writes zero_shard_path(path, rank, N) on every rank, in parallel, and
-/// then removes shard files beside `path` left by saves at other world sizes; gathered writes
-/// `path` on rank 0 (optim::save_state's file: optim::load_state reads it). Collective: every rank
+/// ranks: `mode` sharded writes zero_shard_path(path, rank, N) on every rank, in parallel;
+/// gathered writes `path` on rank 0 (optim::save_state's file: optim::load_state reads it). Then
+/// rank 0 removes what earlier saves in the other mode or at other world sizes left under the same
+/// `path`, so that load_zero_state finds this save's files only. Collective: every rank
 /// of the wrapper's group calls it with the same arguments; an error on any rank (a file that
 /// cannot be written, a first step not yet taken) is raised on every rank. Each file is written
 /// atomically.
@@ -113,13 +114,7 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
       tensors.push_back(step_tensor);
       save_safetensors(zero_shard_path(path, rank, world), tensors, meta);
     });
-    if (rank == 0)
-      for (auto const& [n, files] : detail::shard_sets(path))
-        if (n != world)
-          for (auto const& f : files) {
-            std::error_code ec;  // a stale file left behind only makes the next load refuse, naming it
-            std::filesystem::remove(f, ec);
-          }
+    if (rank == 0) detail::remove_other_saves(path, world);
     return;
   }
   // Gathered: each bucket's slot shards are all-gathered, rank 0 cuts the parameters out.
@@ -147,6 +142,7 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
       for (std::size_t k = 0; k < l.slots; ++k) tensors.push_back({slot_name(i, k), view(full[k * np + i]), l.shapes[i]});
     tensors.push_back(step_tensor);
     save_safetensors(path, tensors, meta);
+    detail::remove_other_saves(path, 0);
   });
 }
 

@@ -206,6 +206,17 @@ inline std::map<int, std::vector<std::filesystem::path>> shard_sets(std::filesys
   return sets;
 }
 
+/// Removes what earlier saves to `path` left that this one did not write: the gathered file when
+/// `world` > 0 (this save is a shard set of `world` ranks), and shard sets of other world sizes.
+/// A file that cannot be removed only makes the next load refuse, naming it.
+inline void remove_other_saves(std::filesystem::path const& path, int world) {
+  std::error_code ec;
+  if (world > 0) std::filesystem::remove(path, ec);
+  for (auto const& [n, files] : shard_sets(path))
+    if (n != world)
+      for (auto const& f : files) std::filesystem::remove(f, ec);
+}
+
 /// The world size of the one shard set saved to `path`; throws when there is none or several.
 inline int shard_world(std::filesystem::path const& path, std::string const& rank) {
   auto const sets = shard_sets(path);
