@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <optional>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
@@ -96,7 +97,8 @@ void check_outputs_writable(config const& cfg) {
 }
 
 /// --resume: checks that this run reads the data as the checkpoint's run did (the settings its
-/// sampler position depends on, which save_outputs records), so that resuming continues it exactly.
+/// sampler position depends on, which save_outputs records), so that resuming continues it exactly;
+/// the sampler replicas may differ at an epoch's end (the position is 0 for any replica count).
 void check_resume(config const& cfg, start_point const& start, training_data const& data) {
   if (!start.resumed) return;
   struct setting {
@@ -111,7 +113,10 @@ void check_resume(config const& cfg, start_point const& start, training_data con
     if (it == start.progress.extra.end())
       throw std::runtime_error("--resume " + cfg.resume + ": expected the checkpoint's metadata to hold 'user." +
                                s.key + "', found none: it was not written by train_mlp --save-checkpoint");
-    if (it->second != std::to_string(s.value))
+    // At an epoch's end no replica has read anything of the next epoch: any replica count (world
+    // size) continues it, e.g. a --zero 1 run saved on N ranks and resumed on M.
+    bool const at_epoch_start = start.progress.sampler.index == 0;
+    if (it->second != std::to_string(s.value) && !(at_epoch_start && std::string_view(s.key) == "sampler_replicas"))
       throw std::runtime_error("--resume " + cfg.resume + ": the checkpoint was written by a run with " + s.option +
                                " " + it->second + ", found " + s.option + " " + std::to_string(s.value) +
                                "; resume with the settings it was written with (its sampler position counts "

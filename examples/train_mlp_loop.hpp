@@ -13,8 +13,10 @@
 #include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
 #include <dparallel/optim/state.hpp>
+#include <dparallel/optim/zero_checkpoint.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -104,7 +106,17 @@ inline void sgd(mlp& m, float lr) {
 struct updater {
   std::function<void(double lr)> step;
   std::function<void(dparallel::checkpoint&)> add_state;  // empty: no state (plain SGD)
+  // ZeRO-1: the sharded state in files of its own beside the checkpoint (zero_state_path), saved
+  // and loaded by every rank together (optim/zero_checkpoint.hpp). Empty otherwise.
+  std::function<void(std::string const& checkpoint)> save_files, load_files;
 };
+
+/// Where --zero 1 keeps the optimizer state of checkpoint `c`: "run.ckpt" -> "run.optim.ckpt"
+/// (and its shards "run.optim.rank0-of-2.ckpt", ...).
+inline std::filesystem::path zero_state_path(std::string const& c) {
+  std::filesystem::path p(c);
+  return p.replace_filename(p.stem().string() + ".optim" + p.extension().string());
+}
 
 /// `with(rule)` for the update rule --optimizer and --weight-decay name.
 template <class With>
@@ -137,17 +149,21 @@ inline updater make_update(config const& cfg, mlp& m) {
 
 /// --zero 1: the same rule over this rank's shards of the ddp_zero1 wrapper `w` (ZeRO-1), after
 /// clipping the gradient shards (one scalar collective). --optimizer sgd is optim::sgd here. Its
-/// sharded state is not checkpointed (the command line refuses --save-checkpoint and --resume).
+/// sharded state goes to files of its own beside --save-checkpoint's (--zero-save chooses how) and
+/// --resume reads them on any number of ranks.
 template <class Wrapper>
 updater make_zero_update(config const& cfg, Wrapper& w) {
   namespace optim = dparallel::optim;
-  return with_rule(cfg, [&w, clip = cfg.clip_grad_norm](auto rule) -> updater {
+  auto const mode = cfg.zero_gathered ? optim::zero_save_mode::gathered : optim::zero_save_mode::sharded;
+  return with_rule(cfg, [&w, mode, clip = cfg.clip_grad_norm](auto rule) -> updater {
     auto opt = std::make_shared<dparallel::zero_redundancy_optimizer<decltype(rule), Wrapper>>(w, rule);
     return {[&w, opt, clip](double lr) {
               if (clip > 0) optim::clip_grad_norm_sharded(opt->gradient_shards(), w.group(), clip);
               opt->step(lr);
             },
-            {}};
+            {},
+            [opt, mode](std::string const& c) { optim::save_zero_state(zero_state_path(c), *opt, mode); },
+            [opt](std::string const& c) { optim::load_zero_state(zero_state_path(c), *opt); }};
   });
 }
 
@@ -238,6 +254,13 @@ result train(config const& cfg, training_data const& data, start_point const& st
   auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
   updater const update = update_override.step ? std::move(update_override) : make_update(cfg, master);
   load_optimizer_state(cfg, update, master);
+  if (!cfg.resume.empty() && update.load_files) {  // every rank
+    try {
+      update.load_files(cfg.resume);
+    } catch (dparallel::error const& e) {
+      throw std::runtime_error("--resume --zero 1: " + std::string(e.what()));
+    }
+  }
   std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
   auto const epochs = static_cast<std::uint64_t>(cfg.epochs);
   dparallel::training_progress p = start.progress;
@@ -312,6 +335,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
     r.early_steps = static_cast<std::size_t>(p.step);
     r.early = r.params;
   }
+  if (!cfg.save_checkpoint.empty() && update.save_files) update.save_files(cfg.save_checkpoint);  // every rank
   if (reports) save_outputs(cfg, data, p, host_model(master), update.add_state);
   return r;
 }

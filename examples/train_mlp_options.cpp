@@ -53,7 +53,11 @@ void print_usage(std::FILE* out) {
                "                 (dparallel::optim::clip_grad_norm; default: no clipping)\n"
                "  --zero Z       ddp only: 1 shards the optimizer state over the ranks (ZeRO stage 1:\n"
                "                 dparallel::ddp_zero1 and zero_redundancy_optimizer; the same parameters as\n"
-               "                 without it); 0: every rank holds the whole state (default)\n"
+               "                 without it); 0: every rank holds the whole state (default). With\n"
+               "                 --save-checkpoint C the optimizer state goes beside C (C's name + .optim,\n"
+               "                 see --zero-save); --resume C reads it on any number of ranks\n"
+               "  --zero-save M  sharded: every rank writes its shard (default); gathered: rank 0 writes\n"
+               "                 the whole state in one file, as optim::save_state names it\n"
                "  --seed S       seeds the initialisation and the per-epoch shuffles (default: 1; --init\n"
                "                 replaces the initialisation, --resume brings the checkpoint's seed)\n"
                "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
@@ -212,6 +216,11 @@ config parse_command_line(int argc, char** argv) {
       cfg.weight_decay = parse_non_negative(arg, next());
     } else if (arg == "--zero") {
       cfg.zero = parse_int<int>(arg, next(), 0, 1);
+    } else if (arg == "--zero-save") {
+      std::string const m(next());
+      if (m != "sharded" && m != "gathered")
+        throw usage_error("--zero-save: expected sharded or gathered, found '" + m + "'");
+      cfg.zero_gathered = m == "gathered";
     } else if (arg == "--clip-grad-norm") {
       cfg.clip_grad_norm = parse_positive(arg, next());
     } else if (arg == "--seed") {
@@ -281,9 +290,6 @@ config parse_command_line(int argc, char** argv) {
     throw usage_error("--zero 1: ZeRO-1 shards DDP's optimizer state over host ranks; expected --mode ddp on the "
                       "host backend (--comm thread or mpi), found --mode " + cfg.mode + " --backend " + cfg.backend +
                       " --comm " + cfg.comm);
-  if (cfg.zero != 0 && (!cfg.resume.empty() || !cfg.save_checkpoint.empty()))
-    throw usage_error("--zero 1 with --resume or --save-checkpoint: this example's checkpoints hold no optimizer "
-                      "state; use --save / --init");
   if (cfg.zero != 0 && cfg.comm_hook != "none")
     throw usage_error("--zero 1 with --comm-hook " + cfg.comm_hook +
                       ": a communication hook reduces whole buckets, ZeRO-1 reduce-scatters them; choose one");

@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -40,6 +41,10 @@
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
+
+namespace optim::detail {
+struct zero_state_access;  // optim/zero_checkpoint.hpp: saves and restores the sharded state
+}  // namespace optim::detail
 
 /// ZeRO stage 1 over a wrapper whose reduce policy is policy::bucketed_reduce_scatter (the
 /// ddp_zero1 bundle): the optimizer state is sharded like the gradient buckets, so each rank
@@ -185,6 +190,7 @@ class zero_redundancy_optimizer {
   }
 
  private:
+  friend struct optim::detail::zero_state_access;
   using constants_type = typename Rule::step_constants;
 
   [[nodiscard]] float* slot_data(std::size_t i) const { return reinterpret_cast<float*>(slots_.at(i).get()); }
@@ -202,6 +208,11 @@ class zero_redundancy_optimizer {
         slots_.push_back(backend_type::allocate(w_->devices()[0], m * sizeof(float)));  // zeroed
         state_elements_ += m;
       }
+    }
+    if (restore_) {  // state loaded before the plan was final (optim/zero_checkpoint.hpp)
+      auto const f = std::move(restore_);
+      restore_ = nullptr;
+      f();
     }
   }
 
@@ -249,6 +260,7 @@ class zero_redundancy_optimizer {
   std::vector<tensor_ref> params_;
   std::vector<tensor_ref> shards_;  // gradient_shards()
   std::vector<work> works_;
+  std::function<void()> restore_;  // fills the state at its allocation from a loaded checkpoint
 };
 
 DPARALLEL_NAMESPACE_END
