@@ -68,6 +68,7 @@ struct config {
   double clip_grad_norm = 0;      // --clip-grad-norm: max total 2-norm of the gradients (0: no clipping)
   bool lr_given = false;          // --lr given (adam, adamw: default 1e-3 instead of 0.1)
   int zero = 0;                   // --zero 1: ddp_zero1 + zero_redundancy_optimizer (ZeRO stage 1)
+  bool uneven = false;            // --uneven: rank r drops its last r batches of each epoch, then join()s
 };
 
 /// A bad command line: reported with exit code 2.
