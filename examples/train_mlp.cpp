@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
                   r.test_accuracy, r.train_loss, r.samples_per_s, exact(r.params.sum).c_str(),
                   exact(r.params.l2).c_str());
       if (cfg.uneven)
-        std::printf("train_mlp: uneven inputs: rank r ran the last r batches of each epoch short (rank %d: %d "
+        std::printf("train_mlp: uneven inputs: rank r skipped the last r batches of each epoch (rank %d: %d "
                     "fewer steps per epoch); every rank join()ed at each epoch's end and the run completed "
                     "(%llu steps on rank 0)\n",
                     r.devices - 1, r.devices - 1, static_cast<unsigned long long>(r.steps));
