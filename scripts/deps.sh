@@ -3,6 +3,7 @@
 # installed. As root it installs what is missing; otherwise it prints the apt-get line and fails.
 dparallel_packages=(
   cmake g++ make pkg-config
+  clang                  # Debian's clang (14 on bookworm): the asan preset builds with it
   doxygen                # the API reference and its test (docs:api_reference)
   catch2                 # the test framework (Catch2 2.x)
   libopenblas-dev        # the example model's GEMM
@@ -37,9 +38,8 @@ dparallel_ensure_bench_packages() {
   dparallel_ensure_packages
 }
 
-# .ci/run builds the tests with clang too and packs the GPU check: their packages, on top of the build's.
+# .ci/run packs the GPU check and builds the libtorch adapter: their packages, on top of the build's.
 dparallel_ci_packages=(
-  clang                  # Debian's clang (14 on bookworm): the `clang` preset
   xz-utils python3       # scripts/gpu-pack compresses, scripts/gpu-check unpacks
   libtorch-dev           # the libtorch adapter (dparallel::libtorch), its test and examples/train_torch
   python3-torch          # libtorch:python_load_state_dict and benchmarks/torch_adapter's PyTorch DDP side
@@ -48,6 +48,6 @@ dparallel_ci_packages=(
 dparallel_ensure_ci_packages() {
   dparallel_packages+=("${dparallel_ci_packages[@]}")
   # clang-16 (the `clang-16` preset) only when DPARALLEL_CI_CLANG asks for it.
-  [[ " ${DPARALLEL_CI_CLANG:-clang} " == *" clang-16 "* ]] && dparallel_packages+=(clang-16)
+  [[ " ${DPARALLEL_CI_CLANG:-} " == *" clang-16 "* ]] && dparallel_packages+=(clang-16)
   dparallel_ensure_packages
 }

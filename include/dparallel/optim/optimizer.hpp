@@ -24,11 +24,20 @@
 // The optimizer remembers the parameters' count, sizes and device and checks them at every step:
 // stepping another model is an error that names the parameter. Its state saves with the model's
 // parameter names (optim/state.hpp): "<parameter name>.<slot>" and "<rule>.step".
+//
+// F16/BF16 parameters (optimizer_options::master_weights): the optimizer keeps an F32 master copy
+// of each 16-bit parameter (taken from the parameter when the optimizer is built; saved as
+// "<parameter name>.master"), applies the rule to the master with the gradient widened to F32
+// (exact), and writes the parameter back as the master rounded to nearest even. Without the
+// option 16-bit parameters are refused: updating them in place would round every step's update
+// into the 16-bit value, and small updates would vanish. Build the optimizer after loading the
+// model's weights (or load the optimizer's state, master included, with them).
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/host/backend.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/state_dict.hpp>
@@ -40,6 +49,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -51,8 +61,22 @@ DPARALLEL_NAMESPACE_BEGIN
 
 namespace optim {
 
+namespace detail {
+/// The name of a rule in messages and saved state: R::name when it has one, else "custom".
+template <class R>
+constexpr std::string_view rule_name() {
+  if constexpr (requires { std::string_view(R::name); }) return R::name;
+  else return "custom";
+}
+/// R::slot_count, at least 1 (the size of a pointer array).
+template <class R>
+inline constexpr std::size_t slot_array_size = R::slot_count == 0 ? 1 : R::slot_count;
+}  // namespace detail
+
 /// Where an optimizer's arithmetic runs for parameters of `Backend`: apply(r, c, p, g, slots)
-/// updates one tensor, finish(device) returns once every update issued is done. This is the
+/// updates one tensor, apply_master the same through an F32 master copy, widen fills a master
+/// copy, copy(dst, src) copies in order with the updates, finish(device) returns once every
+/// update issued is done. This is the
 /// host's; backend/cuda/optim_kernels.hpp specialises it for cuda::backend.
 template <class Backend>
 struct backend_kernels;
@@ -68,21 +92,57 @@ struct backend_kernels<host::backend> {
     auto const gv = g.as<float>();
     r.apply(c, std::span<float>(pv.data(), pv.size()), std::span<float const>(gv.data(), gv.size()), s);
   }
+  /// Updates the F32 `master` of the 16-bit tensor `p` from `p`'s 16-bit gradient `g` widened
+  /// to F32, then writes `p` = `master` rounded to nearest even (f16/bf16 of core/half.hpp).
+  template <update_rule R>
+  static void apply_master(R const& r, typename R::step_constants const& c, tensor_ref p, tensor_ref g,
+                           float* master, std::span<float* const> s) {
+    if (p.dtype() == dtype::bf16) master_chunks<bf16>(r, c, p, g, master, s);
+    else master_chunks<f16>(r, c, p, g, master, s);
+  }
+  /// master = `p` (16-bit) widened to F32: exact.
+  static void widen(float* master, tensor_ref p) {
+    for (std::size_t i = 0; i < p.size(); ++i)
+      master[i] = p.dtype() == dtype::bf16 ? static_cast<float>(static_cast<bf16 const*>(p.data())[i])
+                                           : static_cast<float>(static_cast<f16 const*>(p.data())[i]);
+  }
+  /// dst = src (same size and dtype), in order with the updates (ZeRO-1's shard copies).
+  static void copy(tensor_ref dst, tensor_ref src) { host::backend::immediate::copy(dst, src); }
   /// Nothing to wait for: apply ran to completion.
   static void finish(device) {}
+
+ private:
+  // The gradient widened through a stack buffer, a chunk at a time (no memory per step), the
+  // rule over the chunk's stretch of master and slots, then the chunk rounded into `p`.
+  template <class T, update_rule R>
+  static void master_chunks(R const& r, typename R::step_constants const& c, tensor_ref p, tensor_ref g,
+                            float* master, std::span<float* const> s) {
+    constexpr std::size_t chunk = 256;
+    float wide[chunk];
+    std::array<float*, detail::slot_array_size<R>> at{};
+    auto* const pv = static_cast<T*>(p.data());
+    auto const* const gv = static_cast<T const*>(g.data());
+    for (std::size_t lo = 0; lo < p.size(); lo += chunk) {
+      std::size_t const m = std::min(chunk, p.size() - lo);
+      for (std::size_t i = 0; i < m; ++i) wide[i] = static_cast<float>(gv[lo + i]);
+      for (std::size_t k = 0; k < s.size(); ++k) at[k] = s[k] == nullptr ? nullptr : s[k] + lo;
+      r.apply(c, std::span<float>(master + lo, m), std::span<float const>(wide, m),
+              std::span<float* const>(at.data(), s.size()));
+      for (std::size_t i = 0; i < m; ++i) pv[lo + i] = T(master[lo + i]);
+    }
+  }
 };
 
-namespace detail {
-/// The name of a rule in messages and saved state: R::name when it has one, else "custom".
-template <class R>
-constexpr std::string_view rule_name() {
-  if constexpr (requires { std::string_view(R::name); }) return R::name;
-  else return "custom";
-}
-/// R::slot_count, at least 1 (the size of a pointer array).
-template <class R>
-inline constexpr std::size_t slot_array_size = R::slot_count == 0 ? 1 : R::slot_count;
-}  // namespace detail
+/// Options of an optimizer beyond its rule.
+struct optimizer_options {
+  /// Keep an F32 master copy of every F16/BF16 parameter and update through it (see the top of
+  /// optim/optimizer.hpp); without it 16-bit parameters are refused.
+  bool master_weights = false;
+};
+
+/// The name of a master copy in saved state: "<parameter name>.master".
+inline constexpr std::string_view master_slot_name = "master";
+
 
 /// An update rule applied to every parameter of one model (see the top of optim/optimizer.hpp).
 /// The state lives on the parameters' device, allocated through Backend::allocate (zeroed).
@@ -99,9 +159,10 @@ class optimizer {
   using backend_type = Backend;
 
   /// An optimizer for the parameters of `model_or_wrapper` (a model, or a DP/DDP wrapper whose
-  /// module() it updates). Every parameter must be f32 and all of them on one device.
+  /// module() it updates). Every parameter must be f32 (or f16/bf16 with o.master_weights, each
+  /// gradient of its parameter's dtype) and all of them on one device.
   template <class X>
-  explicit optimizer(X& model_or_wrapper, Rule rule = Rule{}) : rule_(std::move(rule)) {
+  explicit optimizer(X& model_or_wrapper, Rule rule = Rule{}, optimizer_options o = {}) : rule_(std::move(rule)) {
     static_assert(!detail::shards_gradients<X>,
                   "dparallel: optim::optimizer over a ddp_zero1 wrapper would update from this rank's own, "
                   "unaveraged gradients: use zero_redundancy_optimizer (dparallel/policy/zero_redundancy_optimizer.hpp)");
@@ -111,22 +172,40 @@ class optimizer {
     verify_model(m, where() + ": the model");
     auto const params = parameter_refs(m);
     if (!params.empty()) device_ = params[0].device();
+    auto const grads = gradient_refs(m);
     for (std::size_t i = 0; i < params.size(); ++i) {
-      if (params[i].dtype() != dtype::f32)
+      dtype const t = params[i].dtype();
+      bool const half = dparallel::detail::is_half(t);
+      if (t != dtype::f32 && !(half && o.master_weights))
         throw invalid_argument("dparallel: " + where() + ": parameter " + std::to_string(i) + " ('" +
-                               parameter_names(m)[i] + "') is " + std::string(name_of(params[i].dtype())) +
-                               "; the optimizers update F32 parameters");
+                               parameter_names(m)[i] + "') is " + std::string(name_of(t)) +
+                               "; the optimizers update F32 parameters, and F16/BF16 ones through an F32 master "
+                               "copy: build the optimizer with optimizer_options{.master_weights = true}");
+      if (half && i < grads.size() && grads[i].dtype() != t)
+        throw invalid_argument("dparallel: " + where() + ": parameter " + std::to_string(i) + " ('" +
+                               parameter_names(m)[i] + "') is " + std::string(name_of(t)) + " and its gradient " +
+                               std::string(name_of(grads[i].dtype())) +
+                               "; a master-copy update expects the gradient in the parameter's dtype");
       if (params[i].device() != device_)
         throw invalid_argument("dparallel: " + where() + ": parameter " + std::to_string(i) + " is on " +
                                to_string(params[i].device()) + " and parameter 0 on " + to_string(device_) +
                                "; one optimizer updates parameters of one device");
       offsets_.push_back(total_);
       sizes_.push_back(params[i].size());
+      dtypes_.push_back(t);
+      master_offsets_.push_back(half ? master_total_ : no_master);
       total_ += params[i].size();
+      if (half) master_total_ += params[i].size();
     }
     active_ = active_slots(rule_);
     for (std::size_t k = 0; k < active_; ++k)
       storage_[k] = total_ == 0 ? nullptr : Backend::allocate(device_, total_ * sizeof(float));
+    if (master_total_ != 0) {
+      master_ = Backend::allocate(device_, master_total_ * sizeof(float));
+      for (std::size_t i = 0; i < params.size(); ++i)
+        if (master_offsets_[i] != no_master) backend_kernels<Backend>::widen(master_data() + master_offsets_[i], params[i]);
+      backend_kernels<Backend>::finish(device_);
+    }
   }
 
   optimizer(optimizer const&) = delete;  // the state is owned: one optimizer per model
@@ -156,8 +235,9 @@ class optimizer {
     std::array<float*, detail::slot_array_size<Rule>> slots{};
     for (std::size_t i = 0; i < params_.size(); ++i) {
       for (std::size_t k = 0; k < active_; ++k) slots[k] = slot_data(k) + offsets_[i];
-      backend_kernels<Backend>::apply(rule_, c, params_[i], grads_[i],
-                                      std::span<float* const>(slots.data(), Rule::slot_count));
+      std::span<float* const> const s(slots.data(), Rule::slot_count);
+      if (master_offsets_[i] == no_master) backend_kernels<Backend>::apply(rule_, c, params_[i], grads_[i], s);
+      else backend_kernels<Backend>::apply_master(rule_, c, params_[i], grads_[i], master_data() + master_offsets_[i], s);
     }
     backend_kernels<Backend>::finish(device_);
     step_ = static_cast<std::int64_t>(next);
@@ -179,8 +259,17 @@ class optimizer {
   [[nodiscard]] std::size_t parameter_count() const noexcept { return sizes_.size(); }
   /// Number of slots the rule keeps (active_slots of the rule: plain SGD keeps none).
   [[nodiscard]] std::size_t slots_kept() const noexcept { return active_; }
-  /// Bytes of state held (every kept slot over every parameter element).
-  [[nodiscard]] std::size_t state_bytes() const noexcept { return active_ * total_ * sizeof(float); }
+  /// Bytes of state held (every kept slot over every parameter element, and the master copies).
+  [[nodiscard]] std::size_t state_bytes() const noexcept { return (active_ * total_ + master_total_) * sizeof(float); }
+  /// Whether parameter `i` is updated through an F32 master copy (it is F16/BF16).
+  [[nodiscard]] bool has_master(std::size_t i) const { return master_offsets_.at(i) != no_master; }
+  /// The F32 master copy of parameter `i` (has_master(i)), on state_device().
+  [[nodiscard]] tensor_ref master(std::size_t i) const {
+    dparallel::detail::require(i < sizes_.size() && has_master(i),
+                               where() + "::master: expected a parameter with a master copy (F16/BF16, < " +
+                                   std::to_string(sizes_.size()) + "), found parameter " + std::to_string(i));
+    return {master_data() + master_offsets_[i], sizes_[i], dtype::f32, device_};
+  }
   /// Slot `k` of parameter `i`, shaped (as a flat view) like the parameter, on state_device().
   [[nodiscard]] tensor_ref slot(std::size_t i, std::size_t k) const {
     dparallel::detail::require(i < sizes_.size() && k < active_,
@@ -206,6 +295,8 @@ class optimizer {
   static std::string where() { return "optim::optimizer<" + std::string(detail::rule_name<Rule>()) + ">"; }
 
   float* slot_data(std::size_t k) const noexcept { return reinterpret_cast<float*>(storage_[k].get()); }
+  float* master_data() const noexcept { return reinterpret_cast<float*>(master_.get()); }
+  static constexpr std::size_t no_master = std::numeric_limits<std::size_t>::max();
 
   template <class M>
   void check_model_matches(M& m) const {
@@ -217,11 +308,11 @@ class optimizer {
     for (std::size_t i = 0; i < sizes_.size(); ++i) {
       auto const& p = params_[i];
       auto const& g = grads_[i];
-      if (p.size() != sizes_[i] || p.dtype() != dtype::f32 || p.device() != device_ || g.size() != sizes_[i] ||
-          g.dtype() != dtype::f32)
+      if (p.size() != sizes_[i] || p.dtype() != dtypes_[i] || p.device() != device_ || g.size() != sizes_[i] ||
+          g.dtype() != dtypes_[i])
         throw invalid_argument("dparallel: " + where() + ": expected the model it was built for; its parameter " +
                                std::to_string(i) + " ('" + parameter_names(m)[i] + "') had " +
-                               std::to_string(sizes_[i]) + " F32 elements on " + to_string(device_) +
+                               std::to_string(sizes_[i]) + " " + std::string(name_of(dtypes_[i])) + " elements on " + to_string(device_) +
                                ", found a parameter of " + std::to_string(p.size()) + " " +
                                std::string(name_of(p.dtype())) + " elements on " + to_string(p.device()) +
                                " with a gradient of " + std::to_string(g.size()) + " " +
@@ -232,6 +323,10 @@ class optimizer {
   Rule rule_;
   device device_ = host_memory;
   std::vector<std::size_t> offsets_, sizes_;  // per parameter, in elements of the flat slot storage
+  std::vector<dtype> dtypes_;                  // per parameter
+  std::vector<std::size_t> master_offsets_;    // per parameter, in the master storage (no_master: F32)
+  std::size_t master_total_ = 0;               // elements of the master copies
+  std::shared_ptr<std::byte> master_;          // the F32 master copies of the 16-bit parameters
   std::size_t total_ = 0;                     // elements over all parameters
   std::size_t active_ = 0;                    // slots kept
   std::array<std::shared_ptr<std::byte>, detail::slot_array_size<Rule>> storage_{};  // one flat tensor per slot
@@ -245,6 +340,12 @@ optimizer(parallel<M, S, B>&, R) -> optimizer<R, B>;
 /// A bare model's optimizer runs on the host.
 template <class X, update_rule R>
 optimizer(X&, R) -> optimizer<R, host::backend>;
+/// A DP/DDP wrapper's optimizer with options runs on the wrapper's backend.
+template <class M, class S, class B, update_rule R>
+optimizer(parallel<M, S, B>&, R, optimizer_options) -> optimizer<R, B>;
+/// A bare model's optimizer with options runs on the host.
+template <class X, update_rule R>
+optimizer(X&, R, optimizer_options) -> optimizer<R, host::backend>;
 
 }  // namespace optim
 

@@ -13,7 +13,9 @@
 // parameter; the step count is "<rule name>.step", i64 of shape [1]. The rule's name in the step
 // tensor makes the state of one optimizer type fail to load into another (Adam into AdamW: the
 // file lacks "adamw.step" and has "adam.step" instead), even when their slots agree. Slots the rule
-// keeps no storage for (plain SGD's momentum buffer) are not saved, as PyTorch saves none.
+// keeps no storage for (plain SGD's momentum buffer) are not saved, as PyTorch saves none. The F32
+// master copy of a 16-bit parameter (optimizer_options::master_weights) is "<parameter name>.master",
+// f32, shaped as the parameter.
 //
 // Loading checks names, dtypes and shapes of everything before changing anything, reads through a
 // staging buffer and checks that the file did not change meanwhile (io/state_dict.hpp): an error
@@ -46,17 +48,21 @@ inline constexpr std::string_view optimizer_metadata_key = "dparallel.optimizer"
 inline constexpr std::string_view state_file_prefix = "optim.";
 
 /// The state of `opt` (built for `model_or_wrapper`) as named tensors: every kept slot of every
-/// parameter, named "<parameter name>.<slot name>" and shaped as the parameter, then the step
+/// parameter, named "<parameter name>.<slot name>" and shaped as the parameter (and its master
+/// copy "<parameter name>.master" when it has one), then the step
 /// count "<rule name>.step". The tensors are views of the optimizer's memory.
 template <class R, class B, class X>
 std::vector<named_tensor> state_dict(optimizer<R, B>& opt, X& model_or_wrapper) {
   opt.check(model_or_wrapper);
   auto const model_tensors = dparallel::state_dict(model_or_wrapper);  // parameters first, then buffers
   std::vector<named_tensor> out;
-  for (std::size_t i = 0; i < opt.parameter_count(); ++i)
+  for (std::size_t i = 0; i < opt.parameter_count(); ++i) {
     for (std::size_t k = 0; k < opt.slots_kept(); ++k)
       out.push_back({model_tensors[i].name + "." + std::string(R::slot_names[k]), opt.slot(i, k),
                      model_tensors[i].shape});
+    if (opt.has_master(i))
+      out.push_back({model_tensors[i].name + "." + std::string(master_slot_name), opt.master(i), model_tensors[i].shape});
+  }
   out.push_back({std::string(detail::rule_name<R>()) + ".step", opt.step_tensor(), std::vector<std::uint64_t>{1}});
   return out;
 }

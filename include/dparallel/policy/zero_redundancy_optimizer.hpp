@@ -6,8 +6,15 @@
 //   dparallel::parallel<model, dparallel::ddp_zero1> w(m, rank);   // was: parallel<model, ddp>
 //   dparallel::zero_redundancy_optimizer opt(w, my_rule{});        // any optim::update_rule
 //   for (...) { w.step(batch, step_fn); opt.step(lr); }
+//
+// On the CUDA backend (NCCL engine) the same code runs with the CUDA optimizer kernels: include
+// <dparallel/backend/cuda/optim_kernels.hpp> (nvcc) first. The shard copies and the update run
+// on one stream (optim::backend_kernels<cuda::backend>: the calling thread's, the legacy default
+// stream outside stream work), in issue order; see step() for the ordering against the
+// collectives.
 
 #include <dparallel/config.hpp>
+#include <dparallel/backend/host/backend.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
@@ -15,6 +22,7 @@
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/optim/element.hpp>
+#include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/rule.hpp>
 #include <dparallel/parallel.hpp>
 #include <dparallel/policy/bucketed_reduce_scatter.hpp>
@@ -46,8 +54,11 @@ DPARALLEL_NAMESPACE_BEGIN
 /// forward).
 ///
 /// The rule is elementwise (optim::update_rule), so the parameters are bitwise those of DDP with
-/// the same rule applied to whole tensors, on the host and MPI engines (same reduction order).
-/// Parameters must be f32 host memory (the rule runs on the host). The state is allocated at the
+/// the same rule applied to whole tensors, on the host and MPI engines (same reduction order), and
+/// on NCCL wherever its reduce-scatter sums in the all-reduce's order (two ranks always).
+/// Parameters must be f32 (16-bit parameters with master copies: not yet). The rule runs through
+/// optim::backend_kernels of the wrapper's backend: on the host for host::backend, as the CUDA
+/// optimizer kernels for cuda::backend (an optim::element_rule). The state is allocated at the
 /// first step (the bucket plan is final then); steps after it allocate no state or bucket memory.
 template <optim::update_rule Rule, class Wrapper>
 class zero_redundancy_optimizer {
@@ -56,9 +67,13 @@ class zero_redundancy_optimizer {
                 "dparallel: zero_redundancy_optimizer needs a wrapper whose reduce policy is "
                 "policy::bucketed_reduce_scatter: build it as parallel<Model, dparallel::ddp_zero1> (or a bundle "
                 "derived from ddp_zero1)");
-  static_assert(Wrapper::backend_type::kind == device_kind::host,
-                "dparallel: zero_redundancy_optimizer applies its rule on the host; its parameters must be host "
-                "memory (host::backend)");
+  using backend_type = typename Wrapper::backend_type;
+  // Every host-memory backend (host::backend or one derived from it) runs the host's loops.
+  using kernels = optim::backend_kernels<
+      std::conditional_t<backend_type::kind == device_kind::host, host::backend, backend_type>>;
+  static_assert(requires { sizeof(kernels); },
+                "dparallel: zero_redundancy_optimizer has no optimizer kernels for this backend: for cuda::backend "
+                "include <dparallel/backend/cuda/optim_kernels.hpp> (compiled by nvcc) before using it");
 
  public:
   /// The update rule.
@@ -84,6 +99,17 @@ class zero_redundancy_optimizer {
   /// One update with learning rate `lr` from the gradient shards of the wrapper's last
   /// synchronised step; every rank must call it (it all-gathers). Throws invalid_argument when
   /// the wrapper has reduced no gradients since the last update (e.g. only no_sync steps).
+  ///
+  /// Ordering on a GPU. (1) The update reads the gradient shards after the reduce-scatters'
+  /// completion: the wrapper's step() waited for every bucket's work, and a work completes when
+  /// the collective's completion event has (comm/nccl.hpp); work issued after that wait sees the
+  /// collective's writes (CUDA: host-side synchronisation with an event orders later launches
+  /// after the work it captured). (2) The all-gather of a bucket runs after its update: the NCCL
+  /// engine makes its stream wait on an event recorded on the issuing thread's stream, the one
+  /// the copy and the update kernel went to (cudaStreamWaitEvent: later work on the stream waits
+  /// for all work captured in the event). (3) The parameters are copied back after the gather's
+  /// work completed (waited on the host), and step() returns after kernels::finish synchronised
+  /// that stream, since the wrapper's non-blocking streams would not wait for it.
   void step(double lr) {
     auto& r = w_->reducer();
     int const rank = w_->group().rank();
@@ -108,6 +134,7 @@ class zero_redundancy_optimizer {
         works_[b].wait();
         copy_back(r, b);
       }
+      kernels::finish(w_->devices()[0]);
     } catch (...) {
       // The buckets' storage must outlive the collectives still in flight.
       w_->group().abort("rank " + std::to_string(rank) + " failed in zero_redundancy_optimizer::step");
@@ -172,7 +199,7 @@ class zero_redundancy_optimizer {
     for (std::size_t k = 0; k < active_; ++k) {
       for (std::size_t b = 0; b < bucket_count_; ++b) {
         std::size_t const m = r.shard_elements(b);
-        slots_.push_back(Wrapper::backend_type::allocate(w_->devices()[0], m * sizeof(float)));  // zeroed
+        slots_.push_back(backend_type::allocate(w_->devices()[0], m * sizeof(float)));  // zeroed
         state_elements_ += m;
       }
     }
@@ -185,19 +212,18 @@ class zero_redundancy_optimizer {
     tensor_ref const storage = r.bucket_storage(b);
     if (storage.size() == 0) return;
     std::size_t const lo = r.shard_offset(b), valid = r.shard_valid(b), m = r.shard_elements(b);
-    auto* const flat = static_cast<float*>(storage.data());
     for (std::size_t k = 0; k < spec.params.size(); ++k) {
       tensor_ref const p = params_[spec.params[k]];
       std::size_t const first = spec.offsets[k];
       std::size_t const a = std::max(first, lo), z = std::min(first + p.size(), lo + valid);
-      if (a < z) std::copy_n(static_cast<float const*>(p.data()) + (a - first), z - a, flat + a);
+      if (a < z) kernels::copy(storage.subview(a, z - a), p.subview(a - first, z - a));
     }
-    std::array<float*, Rule::slot_count> s{};
+    std::array<float*, optim::detail::slot_array_size<Rule>> s{};
     for (std::size_t k = 0; k < active_; ++k) s[k] = slot_data(k * bucket_count_ + b);
-    rule_.apply(c, std::span<float>(flat + lo, valid),
-                std::span<float const>(static_cast<float const*>(r.grad_shard(b).data()), valid),
-                std::span<float* const>(s.data(), s.size()));
-    works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));
+    if (valid != 0)
+      kernels::apply(rule_, c, storage.subview(lo, valid), r.grad_shard(b).subview(0, valid),
+                     std::span<float* const>(s.data(), Rule::slot_count));
+    works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));  // after the update: see step()
   }
 
   // Every parameter of bucket b from the gathered storage.
@@ -206,7 +232,7 @@ class zero_redundancy_optimizer {
     tensor_ref const storage = r.bucket_storage(b);
     for (std::size_t k = 0; k < spec.params.size(); ++k) {
       tensor_ref const p = params_[spec.params[k]];
-      if (p.size() != 0) Wrapper::backend_type::immediate::copy(p, storage.subview(spec.offsets[k], p.size()));
+      if (p.size() != 0) kernels::copy(p, storage.subview(spec.offsets[k], p.size()));
     }
   }
 
