@@ -118,7 +118,7 @@ TEST_CASE("join: average_buffers gives every rank the serial mean of the ranks' 
   }
 }
 
-TEST_CASE("join: averaged buffers count only the ranks still stepping; join() leaves them identical",
+TEST_CASE("join: averaged buffers count only the ranks still stepping, and join() leaves them identical",
           "[host][ddp][join]") {
   uneven_plan const p{{3, 1}, {2, 2}};
   auto o = uneven(dpl::average_mode::samples, false);
@@ -173,7 +173,7 @@ std::vector<std::vector<float>> alone(int world, dpl::average_mode mode, bool vi
 // Rank 0's weight is world/1 (its samples are all the samples): the joined ranks' zeros, summed
 // and times 1/world, give back rank 0's own gradient exactly (powers of two), through the
 // bf16_compress hook too (bf16 rounding commutes with a power-of-two factor).
-TEST_CASE("join: a rank alone under no_sync gets the bits it gets alone; joined ranks send zeros through hooks",
+TEST_CASE("join: a rank alone under no_sync gets the bits it gets alone, joined ranks sending zeros (hooks too)",
           "[host][ddp][join]") {
   for (auto mode : {dpl::average_mode::ranks, dpl::average_mode::samples}) {
     for (bool view : {false, true}) {
