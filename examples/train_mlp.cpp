@@ -72,6 +72,7 @@ std::string to_json(config const& cfg, result const& r, training_data const& dat
   return "{\"mode\":\"" + cfg.mode + "\",\"backend\":\"" + cfg.backend + "\"" +
          (cfg.mode == "ddp" ? ",\"comm\":\"" + cfg.comm + "\"" : std::string()) +
          (cfg.zero != 0 ? ",\"zero\":" + std::to_string(cfg.zero) : std::string()) +
+         (cfg.uneven ? std::string(",\"uneven\":true") : std::string()) +
          ",\"devices\":" + std::to_string(r.devices) +
          ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
          ",\"lr\":" + number(cfg.lr) + ",\"seed\":" + std::to_string(cfg.seed) +
@@ -198,6 +199,11 @@ int main(int argc, char** argv) {
       std::printf("train_mlp: test_accuracy %.4f  train_loss %.4f  samples/s %.0f  param_sum %s  param_l2 %s\n",
                   r.test_accuracy, r.train_loss, r.samples_per_s, exact(r.params.sum).c_str(),
                   exact(r.params.l2).c_str());
+      if (cfg.uneven)
+        std::printf("train_mlp: uneven inputs: rank r skipped the last r batches of each epoch (rank %d: %d "
+                    "fewer steps per epoch); every rank join()ed at each epoch's end and the run completed "
+                    "(%llu steps on rank 0)\n",
+                    r.devices - 1, r.devices - 1, static_cast<unsigned long long>(r.steps));
       std::printf("train_mlp: %s\n", blas_info::summary(blas).c_str());
       if (cfg.json) std::printf("%s\n", to_json(cfg, r, data, blas).c_str());
       std::fflush(stdout);

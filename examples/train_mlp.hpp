@@ -69,6 +69,7 @@ struct config {
   bool lr_given = false;          // --lr given (adam, adamw: default 1e-3 instead of 0.1)
   int zero = 0;                   // --zero 1: ddp_zero1 + zero_redundancy_optimizer (ZeRO stage 1)
   bool zero_gathered = false;     // --zero-save gathered: rank 0 writes the whole state (default: sharded)
+  bool uneven = false;            // --uneven: rank r drops its last r batches of each epoch, then join()s
 };
 
 /// A bad command line: reported with exit code 2.

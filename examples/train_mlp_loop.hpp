@@ -246,9 +246,12 @@ inline mlp& host_model(gpu_master& m) {
 /// epoch or at step cfg.steps, whichever comes first; the progress at that point is what
 /// --save-checkpoint writes, with the position of the next batch (an epoch's end is the next
 /// epoch's start).
+///
+/// With --uneven (ddp), rank r takes the epoch's batches but its last r, then calls
+/// `end_epoch()` (the wrapper's join()) before the epoch's evaluation.
 template <class Master, class Step>
 result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
-             Step&& step, updater update_override = {}) {
+             Step&& step, updater update_override = {}, std::function<void()> const& end_epoch = {}) {
   result r;
   bool const reports = rank <= 0;
   auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
@@ -295,7 +298,9 @@ result train(config const& cfg, training_data const& data, start_point const& st
     dparallel::loader batches(lists, make, {.num_workers = cfg.workers});
     double loss_sum = 0;
     std::size_t samples = 0, j = first;
-    for (; j < plan.batches() && p.step < cfg.steps; ++j) {
+    std::size_t const drop = cfg.uneven && rank > 0 ? static_cast<std::size_t>(rank) : 0;
+    std::size_t const last = plan.batches() - std::min(drop, plan.batches());
+    for (; j < last && p.step < cfg.steps; ++j) {
       std::optional<gathered_batch> const made = batches.next();
       if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
       r.data_wait_seconds += seconds(batches.last_wait()).count();
@@ -311,11 +316,12 @@ result train(config const& cfg, training_data const& data, start_point const& st
         r.early = parameter_fingerprint(host_model(master));  // once; well under a millisecond
       }
     }
-    if (j == plan.batches()) p.sampler = {.epoch = ++p.epoch, .index = 0};
+    if (end_epoch) end_epoch();
+    if (j == last) p.sampler = {.epoch = ++p.epoch, .index = 0};
     seconds const took = std::chrono::steady_clock::now() - begin;
     total += took;
     seen += samples;
-    r.train_loss = loss_sum / static_cast<double>(samples);
+    r.train_loss = samples == 0 ? 0.0 : loss_sum / static_cast<double>(samples);
     if (!reports) continue;
     r.test_accuracy = evaluate(host_model(master), data.test);
     evaluated = true;

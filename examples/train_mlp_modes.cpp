@@ -93,23 +93,42 @@ updater update_for(config const& cfg, dparallel::parallel<mlp, Bundle>& w) {
   else return {};  // train() makes the usual one
 }
 
+/// DDP's options: with --uneven, ranks may run out of data (options::uneven_inputs, join()) and
+/// gradients are averaged by the samples each rank saw (docs/join.md).
+dparallel::options ddp_options(config const& cfg) {
+  dparallel::options o;
+  if (cfg.uneven) {
+    o.uneven_inputs = true;
+    o.average = dparallel::average_mode::samples;
+  }
+  return o;
+}
+
+/// --uneven: what train() calls when this rank's epoch ran out of batches: `ddp`'s join().
+template <class Ddp>
+std::function<void()> join_at_epoch_end(config const& cfg, Ddp& ddp) {
+  if (!cfg.uneven) return {};
+  return [&ddp] { ddp.join(); };
+}
+
 template <class Bundle>
 result run_ddp_as(config const& cfg, training_data const& data, start_point const& start) {
   result out;
   dparallel::spawn(cfg.devices, [&](dparallel::rank_context& rank) {
     mlp model = start.model;
-    dparallel::parallel<mlp, Bundle> ddp(model, rank.group());
+    dparallel::parallel<mlp, Bundle> ddp(model, rank.group(), ddp_options(cfg));
     if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
     result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
       ddp.note_data_wait(waited);
       float const loss =
           ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+      if (cfg.uneven) return static_cast<double>(loss);  // the ranks' steps do not pair up: rank 0's own
       // The global batch's mean loss, for the progress line: sum of (loss x samples) over ranks.
       std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
                                  static_cast<double>(b.images.rows())};
       rank.group().all_reduce(dparallel::view(sums)).wait();
       return sums[0] / sums[1];
-    }, update_for(cfg, ddp));
+    }, update_for(cfg, ddp), join_at_epoch_end(cfg, ddp));
     if (rank.rank() == 0) {
       out = r;
       print_profile(cfg, ddp);
@@ -133,17 +152,18 @@ template <class Bundle>
 result run_ddp_mpi_as(config const& cfg, training_data const& data, start_point const& start) {
   dparallel::process_group const& group = *mpi_group;
   mlp model = start.model;
-  dparallel::parallel<mlp, Bundle> ddp(model, group);
+  dparallel::parallel<mlp, Bundle> ddp(model, group, ddp_options(cfg));
   if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
   result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
     ddp.note_data_wait(waited);
     float const loss =
         ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+    if (cfg.uneven) return static_cast<double>(loss);  // the ranks' steps do not pair up: rank 0's own
     std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
                                static_cast<double>(b.images.rows())};
     group.all_reduce(dparallel::view(sums)).wait();
     return sums[0] / sums[1];
-  }, update_for(cfg, ddp));
+  }, update_for(cfg, ddp), join_at_epoch_end(cfg, ddp));
   r.devices = group.size();
   if (group.rank() == 0) print_profile(cfg, ddp);
   return r;

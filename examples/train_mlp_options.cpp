@@ -42,6 +42,10 @@ void print_usage(std::FILE* out) {
                "                 approximations after 10 plain steps, error feedback, warm start; see\n"
                "                 docs/comm-hooks.md)\n"
                "  --powersgd-rank R  the rank of --comm-hook powersgd (default: 2)\n"
+               "  --uneven       ddp only: rank r drops the last r batches of every epoch, so the ranks run\n"
+               "                 different numbers of steps; each calls join() when its epoch's data ran out\n"
+               "                 and gradients are averaged by samples (docs/join.md); the train_loss printed\n"
+               "                 is rank 0's own\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        learning rate (default: 0.1; adam, adamw: 0.001)\n"
@@ -264,6 +268,9 @@ config parse_command_line(int argc, char** argv) {
       cfg.train_samples = parse_int<std::size_t>(arg, next(), 1, std::numeric_limits<std::uint32_t>::max());
     } else if (arg == "--workers") {
       cfg.workers = parse_int<std::size_t>(arg, next(), 0, 256);
+    } else if (arg == "--uneven") {
+      flag();
+      cfg.uneven = true;
     } else if (arg == "--profile") {
       flag();
       cfg.profile = true;
@@ -305,10 +312,22 @@ config parse_command_line(int argc, char** argv) {
   if (cfg.comm_hook != "none" && cfg.mode != "ddp")
     throw usage_error("--comm-hook " + cfg.comm_hook + ": only --mode ddp has communication hooks, found --mode " +
                       cfg.mode);
+  if (cfg.uneven && cfg.mode != "ddp")
+    throw usage_error("--uneven: only --mode ddp has ranks that can run out of data, found --mode " + cfg.mode);
+  if (cfg.uneven && (cfg.zero != 0 || cfg.steps != std::numeric_limits<std::uint64_t>::max() || !cfg.resume.empty() ||
+                     !cfg.save_checkpoint.empty()))
+    throw usage_error("--uneven with --zero, --steps, --resume or --save-checkpoint: the ranks' step counts differ "
+                      "under --uneven, so a step limit or a checkpoint position would differ too, and ZeRO-1's "
+                      "reduce-scatter has no join; leave them out");
+  if (cfg.uneven && cfg.optimizer != "sgd")
+    throw usage_error("--uneven --optimizer " + cfg.optimizer + ": a rank that has joined runs no update, so its "
+                      "optimizer state would fall behind; use --optimizer sgd (stateless)");
   if (!cfg.help) cfg.backend_reason = resolve_backend(cfg);  // throws std::runtime_error (exit 1) without a GPU
   if (cfg.backend == "cuda" && (cfg.optimizer != "sgd" || cfg.weight_decay > 0 || cfg.clip_grad_norm > 0))
     throw usage_error("--optimizer, --weight-decay and --clip-grad-norm: this example runs them on the host "
                       "backend only; add --backend host");
+  if (cfg.uneven && cfg.backend == "cuda")
+    throw usage_error("--uneven: this example joins ranks on the host backend (--comm thread or mpi); add --backend host");
   if (cfg.comm_hook != "none" && cfg.backend == "cuda")
     throw usage_error("--comm-hook " + cfg.comm_hook + ": the built-in hooks convert on the host; use --backend host");
   // The world size, hence devices and sampler replicas, come from the launch: see main.

@@ -20,6 +20,7 @@
 #include <dparallel/policy/bucketed_reduce.hpp>
 #include <dparallel/policy/bucketed_reduce_scatter.hpp>
 #include <dparallel/policy/gather.hpp>
+#include <dparallel/policy/join.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replica_set.hpp>
 #include <dparallel/policy/replicate.hpp>
@@ -298,6 +299,22 @@ class parallel {
     }
   }
 
+  /// DDP with options::uneven_inputs: this rank's data ran out. Call it once after the rank's
+  /// last step (every rank calls it, PyTorch's Join): it takes part in the other ranks' remaining
+  /// synchronised steps with zero contributions and returns when every rank has joined, with the
+  /// parameters and buffers of the rank that stepped last on every rank. See docs/join.md.
+  void join()
+    requires(is_distributed_v<Semantics>)
+  {
+    try {
+      detail::run_join(rs_, replicate_, reduce_, join_);
+    } catch (std::exception const& e) {
+      rs_.group.abort(std::string("rank ") + std::to_string(rs_.rank()) + " failed in join(): " +
+                      detail::without_prefix(e.what()));
+      throw;
+    }
+  }
+
  private:
   template <class shard_type, class B, class F>
   auto checked_step(B const& batch, F& step_fn) {
@@ -377,6 +394,7 @@ class parallel {
     // The master's stream keeps its worker asleep: this thread runs its work in synchronize()
     // below, where it would otherwise only wait (no hand-off, no wake-up on the critical path).
     if constexpr (requires { rs_.streams[0]->hold(); }) rs_.streams[0]->hold();
+    if constexpr (is_distributed_v<Semantics>) join_.begin(rs_);  // uneven inputs: policy/join.hpp
     replicate_.before_step(rs_);
     reduce_.begin_step(rs_);
     for (std::size_t i = 0; i < rs_.size(); ++i) {
@@ -412,6 +430,7 @@ class parallel {
       });
     }
     reduce_.finish(rs_);
+    if constexpr (is_distributed_v<Semantics>) join_.end(rs_);
     guard.armed = false;
     synchronize();
     auto const drained = profile_clock::now();
@@ -568,6 +587,7 @@ class parallel {
   replicate_type replicate_{};
   reduce_type reduce_{};
   scatter_type scatter_{};
+  detail::join_control join_;  // DDP: uneven inputs and sample weighting (policy/join.hpp)
   // Per-step scratch kept across steps: each device's step_context, and the output slots (their
   // type depends on the step function's output, see run_step).
   std::vector<step_context> ctx_;

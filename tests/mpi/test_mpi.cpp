@@ -8,6 +8,7 @@
 // The reference runs in each process: the same inputs through dparallel::spawn's thread ranks.
 // Failure scenarios that end the job (a killed rank, a throwing rank, a missing collective) are
 // in mpi_fault.cpp, driven by run_mpi_fault.cmake.
+#include "../join_run.hpp"
 #include "../models.hpp"
 
 #include <dparallel/comm/desync.hpp>
@@ -454,6 +455,31 @@ TEST_CASE("mpi: DDP with MPI's native reduction stays within 1e-6 of thread-rank
     auto const all = gather_all(g, static_cast<std::int64_t>(h));
     for (auto x : all) CHECK(x == all[0]);
   }
+}
+
+TEST_CASE("mpi: join with uneven inputs and sample weighting gives thread-rank join's bits", "[ddp]") {
+  auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, 60s);
+  int const rank = g.rank();
+  int const world = g.size();
+  test::join::uneven_plan p;  // rank r: 1 + 2 (world - 1 - r) steps of 2 + 3r samples (np3: 5, 3, 1 steps)
+  for (int r = 0; r < world; ++r) {
+    p.steps.push_back(1 + 2 * (world - 1 - r));
+    p.batch.push_back(static_cast<std::size_t>(2 + 3 * r));
+  }
+  dpl::options o{.bucket_cap_mb = 8.0 / (1024 * 1024), .first_bucket_cap_mb = 4.0 / (1024 * 1024)};
+  o.uneven_inputs = true;
+  o.average = dpl::average_mode::samples;
+  std::vector<test::join::uneven_result> ref(static_cast<std::size_t>(world));
+  dpl::spawn(world, [&](dpl::rank_context& ctx) {
+    ref[static_cast<std::size_t>(ctx.rank())] = test::join::train_uneven(ctx.group(), p, o, true);
+  });
+  auto const a = test::join::train_uneven(g, p, o, true);
+  INFO("rank " << rank << " of " << world);
+  CHECK(a.grads == ref[static_cast<std::size_t>(rank)].grads);  // bitwise: the same reduction order
+  CHECK(a.params == ref[static_cast<std::size_t>(rank)].params);
+  CHECK(test::rel_error(a.params, test::join::train_union(p).params) <= 1e-5);  // one device on the union
+  auto const all = gather_all(g, static_cast<std::int64_t>(hash_bytes(std::as_bytes(std::span(a.params)))));
+  for (auto x : all) CHECK(x == all[0]);  // join() leaves every rank the same parameters
 }
 
 TEST_CASE("mpi: DDP overlaps: a bucket is reduced while backward still runs", "[ddp]") {

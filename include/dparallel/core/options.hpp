@@ -18,6 +18,15 @@ DPARALLEL_NAMESPACE_BEGIN
 /// The default options::warning_sink: "dparallel: warning: <line>" on std::cerr.
 inline void warn_to_stderr(std::string_view line) { std::cerr << "dparallel: warning: " << line << '\n'; }
 
+/// How DDP averages the ranks' gradients (options::average); see docs/join.md.
+enum class average_mode {
+  /// The mean of the ranks' gradients (PyTorch's default): each contributing rank weighs the same.
+  ranks,
+  /// Weighted by the samples each rank saw since the last synchronised step: the result is the
+  /// one-device gradient of the mean loss over every sample seen, whatever each rank's batch size.
+  samples,
+};
+
 /// Options of parallel<>; every field has the default a PyTorch user expects. Use designated
 /// initialisers: `dparallel::options{.output_device = dev, .chunking = dparallel::chunking::even}`.
 struct options {
@@ -38,6 +47,16 @@ struct options {
   double first_bucket_cap_mb = 1.0;
   /// Broadcast rank 0's buffers (running statistics) to every rank before each step.
   bool broadcast_buffers = true;
+  /// All-reduce-average the floating-point buffers (running statistics) over the ranks after each
+  /// synchronised step (SyncBatchNorm-style), instead of broadcasting rank 0's before it; buffers
+  /// of integer dtype are still broadcast. Ranks that have joined do not contribute.
+  bool average_buffers = false;
+  /// How gradients are averaged over the ranks; average_mode::ranks keeps today's bits.
+  average_mode average = average_mode::ranks;
+  /// Ranks may run different numbers of steps: each synchronised step adds one small all-gather
+  /// (whether each rank is still stepping, and its sample count), and a rank whose data ran out
+  /// calls join() (see docs/join.md). Every rank must pass the same value.
+  bool uneven_inputs = false;
   /// Tolerate parameters that a step which uses step_context::grad_ready never marks ready: they
   /// contribute a zero gradient instead of raising an error.
   bool find_unused_parameters = false;

@@ -19,6 +19,13 @@
 DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
+/// DDP: this rank's part in the current synchronised step, decided by join_control (policy/join.hpp).
+struct join_step {
+  double scale = 1.0;   ///< factor on this rank's gradient before the average over the ranks (0: zeros)
+  int root = 0;         ///< the rank whose buffers are broadcast (the lowest one still stepping)
+  int active = 0;       ///< ranks still stepping (0 until a control collective ran)
+};
+
 template <class Model, class Backend>
 struct replica_set {
   using model_type = Model;
@@ -35,6 +42,7 @@ struct replica_set {
   std::size_t output_slot = 0;         ///< index in devices of options::output_device
   process_group group;                 ///< DDP: this rank's group; empty for DataParallel
   bool sync = true;                    ///< false inside no_sync(): reduce nothing, accumulate
+  join_step join;                      ///< DDP: this step's contribution (uneven inputs, sample weighting)
 
   // Refreshed at the start of every step (models may reallocate their storage between steps).
   std::vector<std::vector<tensor_ref>> params, grads, bufs;

@@ -6,6 +6,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/buckets.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/options.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/policy/comm_hook.hpp>
 #include <dparallel/policy/replicate.hpp>
@@ -83,6 +84,10 @@ class bucketed_reduce {
   template <class Set>
   void on_construct(Set& s) {
     detail::require(s.group.valid(), "bucketed reduce: expected a process group (use the DDP constructor)");
+    if constexpr (ToRoot || sharded)
+      detail::require(!s.opts.uneven_inputs && s.opts.average == average_mode::ranks,
+                      "DDP: options::uneven_inputs and average_mode::samples work with the all-reduce reducer "
+                      "(dparallel::ddp), found them with a reduce-to-root or sharded one; leave them off there");
     view_ = s.opts.gradient_as_bucket_view;
     if (view_) {
       plan_views(s);
@@ -350,6 +355,7 @@ class bucketed_reduce {
         ops::copy(grad, acc);
         ops::scale(grad, 1.0 / (static_cast<double>(accumulated_) + n));
       }
+      weigh<ops>(grad, s.join.scale);
       if (--pending_[b] == 0) launch_ready(s);
     } else {
       tensor_ref const dst = view_in(storage_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
@@ -362,8 +368,18 @@ class bucketed_reduce {
         if (!unused) ops::add_scaled(dst, grad, n);
         ops::scale(dst, 1.0 / (static_cast<double>(accumulated_) + n));
       }
+      weigh<ops>(dst, s.join.scale);
       if (--pending_[b] == 0) launch_ready(s);
     }
+  }
+
+  // This rank's weight in the average (policy/join.hpp): 1 leaves the bits as they are, 0 makes
+  // the contribution zeros (a joined rank), anything else scales it (sample weighting).
+  template <class Ops>
+  static void weigh(tensor_ref t, double scale) {
+    if (scale == 1.0) return;
+    if (scale == 0.0) Ops::zero(t);
+    else Ops::scale(t, scale);
   }
 
   template <class Set>
@@ -407,7 +423,8 @@ class bucketed_reduce {
       }
       for (std::size_t i : unused) mark(s, i, true);
     } else {
-      for (std::size_t k = n; k-- > 0;) mark(s, k, false);  // backward order
+      // Backward order; a step without samples (a joined rank's, policy/join.hpp) has no gradients.
+      for (std::size_t k = n; k-- > 0;) mark(s, k, s.batch == 0);
     }
     if (!s.sync) {
       accumulated_ += s.batch;

@@ -120,11 +120,11 @@ static_assert(replicate_policy<replicate_once>);
 }  // namespace policy
 
 namespace detail {
-/// Broadcasts every tensor from rank 0; waits for all of them.
-inline void broadcast_from_root(process_group const& g, std::vector<tensor_ref> const& tensors) {
+/// Broadcasts every tensor from `root` (rank 0 by default); waits for all of them.
+inline void broadcast_from_root(process_group const& g, std::vector<tensor_ref> const& tensors, int root = 0) {
   std::vector<work> pending;
   pending.reserve(tensors.size());
-  for (auto const& t : tensors) pending.push_back(g.broadcast(t, 0));
+  for (auto const& t : tensors) pending.push_back(g.broadcast(t, root));
   try {
     for (auto const& w : pending) w.wait();
   } catch (...) {
@@ -186,11 +186,12 @@ struct broadcast_from_root {
     all.insert(all.end(), s.bufs[0].begin(), s.bufs[0].end());
     detail::broadcast_from_root(s.group, all);
   }
-  /// Broadcasts rank 0's buffers when options::broadcast_buffers is set.
+  /// Broadcasts rank 0's buffers when options::broadcast_buffers is set (and average_buffers is
+  /// not); when ranks have joined (policy/join.hpp), the lowest rank still stepping is the root.
   template <class Set>
   void before_step(Set& s) {
-    if (s.opts.broadcast_buffers && !s.bufs[0].empty() && s.world_size() > 1)
-      s.streams[0]->enqueue([&s] { detail::broadcast_from_root(s.group, s.bufs[0]); });
+    if (s.opts.broadcast_buffers && !s.opts.average_buffers && !s.bufs[0].empty() && s.world_size() > 1)
+      s.streams[0]->enqueue([&s] { detail::broadcast_from_root(s.group, s.bufs[0], s.join.root); });
   }
 };
 static_assert(replicate_policy<broadcast_from_root>);
