@@ -88,9 +88,9 @@ void mismatched_collective(dpl::process_group const& group, std::string const& s
   }
 }
 
-/// A failure inside a subgroup: parent ranks {1, 0} form one subgroup (group ranks 0 and 1) and
-/// the others another; parent rank 1 aborts its subgroup. Its members fail naming group rank 0 as
-/// parent rank 1; the other subgroup's collectives complete.
+/// A failure inside a subgroup: parent ranks {1, 0} (group ranks 0 and 1; any further ranks form
+/// another subgroup); parent rank 1 aborts its subgroup, whose members fail naming group rank 0
+/// as parent rank 1.
 void subgroup_failure(dpl::process_group const& group) {
   int const p = group.rank();
   auto const sub = group.split(p < 2 ? 0 : 1, -p);
