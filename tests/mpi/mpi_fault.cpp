@@ -88,11 +88,22 @@ void mismatched_collective(dpl::process_group const& group, std::string const& s
   }
 }
 
+/// A failure inside a subgroup: parent ranks {1, 0} (group ranks 0 and 1; any further ranks form
+/// another subgroup); parent rank 1 aborts its subgroup, whose members fail naming group rank 0
+/// as parent rank 1.
+void subgroup_failure(dpl::process_group const& group) {
+  int const p = group.rank();
+  auto const sub = group.split(p < 2 ? 0 : 1, -p);
+  if (p == 1) sub.abort("injected failure on parent rank 1");
+  std::vector<float> v(1000, 1.0f);
+  sub.all_reduce(dpl::view(v)).wait();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|avg|count|kind <timeout_ms>\n");
+    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|avg|count|kind|subgroup <timeout_ms>\n");
     return 2;
   }
   std::string const scenario = argv[1];
@@ -103,6 +114,7 @@ int main(int argc, char** argv) {
         {.timeout = timeout}, {.probe_window = std::chrono::seconds(1), .exit_grace = std::chrono::seconds(3), .shared_memory = false});
     rank = group.rank();
     if (scenario == "missing") missing_collective(group);
+    else if (scenario == "subgroup") subgroup_failure(group);
     else if (scenario == "avg" || scenario == "count" || scenario == "kind") mismatched_collective(group, scenario);
     else ddp_training(group, scenario);
     std::printf("mpi_fault: rank %d: finished without error\n", rank);

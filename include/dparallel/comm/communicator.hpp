@@ -13,6 +13,7 @@
 //   collective make the waits of every rank fail with a comm_error naming the rank at fault.
 
 #include <dparallel/config.hpp>
+#include <dparallel/comm/detail/subgroup_plan.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
@@ -24,8 +25,17 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
+
+class process_group;
+
+namespace detail {
+/// Every rank of `parent` calls it with the same plan (but its own place): its engine's subgroup
+/// (for wrappers such as the desync detector, which build theirs on their inner group's).
+process_group make_subgroup(process_group const& parent, subgroup_plan const& plan);
+}  // namespace detail
 
 /// How a reduction combines the ranks' values. `avg` is the sum (in rank order) followed by one
 /// multiplication by T(1) / T(world size), so it is as deterministic as `sum`.
@@ -74,6 +84,9 @@ class communicator_interface {
   virtual void set_timeout(std::chrono::milliseconds t) = 0;
   [[nodiscard]] virtual std::uint64_t completed_ops() const = 0;
   virtual void drain() = 0;
+  /// Every parent rank calls it with the same plan (but its own place): this rank's subgroup,
+  /// empty when it is in none.
+  virtual process_group subgroup(subgroup_plan const& plan) = 0;
 };
 
 /// Wraps a communicator C. Members C may lack (timeout, set_timeout, completed_ops, drain) get
@@ -116,6 +129,7 @@ class communicator_model final : public communicator_interface {
   void drain() override {
     if constexpr (requires { c_->drain(); }) c_->drain();
   }
+  process_group subgroup(subgroup_plan const& plan) override;
 
  private:
   std::shared_ptr<C> c_;
@@ -177,6 +191,26 @@ class process_group {
   }
   /// Number of collectives this rank has finished (successfully or not).
   [[nodiscard]] std::uint64_t completed_ops() const { return get().completed_ops(); }
+  /// The color of split's ranks that join no subgroup (as MPI_UNDEFINED).
+  static constexpr int no_group = -1;
+
+  /// Splits the group as MPI_Comm_split: the ranks that pass the same `color` (>= 0) form one
+  /// subgroup, ranked by `key`, then by their rank here; a rank passing no_group gets an empty
+  /// process_group. A collective of this group: every rank calls it at the same point of its
+  /// collectives (after its earlier collectives were issued; it waits for an exchange of the
+  /// requests, so mismatched requests throw the same invalid_argument on every rank, and this
+  /// group stays usable). A subgroup has its own timeout (this group's, copied), sequence of
+  /// collectives and failure: a failure inside it fails its members only, naming the rank at
+  /// fault in group numbering followed by its parent rank. Subgroups whose members are
+  /// disjoint run their collectives concurrently. The engine builds it (host: shared memory of
+  /// this process; shm: a new segment; MPI: MPI_Comm_split). See docs/multi-process.md.
+  [[nodiscard]] process_group split(int color, int key = 0) const;
+  /// The subgroup of the parent ranks `ranks` (group rank i is ranks[i], in the order given):
+  /// every rank of this group calls it with the same list (checked: a different list throws the
+  /// same invalid_argument on every rank); ranks not in the list get an empty process_group.
+  /// Otherwise as split.
+  [[nodiscard]] process_group new_group(std::vector<int> const& ranks) const;
+
   /// Blocks until every collective this rank issued has finished, successfully or not; never
   /// rethrows their failures. Use it before freeing the buffers of works nobody will wait on
   /// (after abort(), when giving up: the pending collectives then fail at once).
@@ -189,8 +223,42 @@ class process_group {
                                "host::make_group, spawn's rank_context or another engine");
     return *impl_;
   }
+  std::vector<std::int64_t> exchange_request(std::int64_t kind, std::int64_t a, std::int64_t b,
+                                             std::int64_t count) const {
+    std::vector<std::int64_t> mine{detail::subgroup_magic, kind, a, b, count};
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size()));
+    get().all_gather(view(all), view(mine)).wait();
+    return all;
+  }
+
+  friend process_group detail::make_subgroup(process_group const& parent, detail::subgroup_plan const& plan);
   std::shared_ptr<detail::communicator_interface> impl_;
 };
+
+inline process_group detail::make_subgroup(process_group const& parent, subgroup_plan const& plan) {
+  return parent.get().subgroup(plan);
+}
+
+inline process_group process_group::split(int color, int key) const {
+  auto const all = exchange_request(detail::subgroup_kind_split, color, key, 0);
+  return get().subgroup(detail::plan_split(all, rank(), size(), no_group));
+}
+
+inline process_group process_group::new_group(std::vector<int> const& ranks) const {
+  auto const all = exchange_request(detail::subgroup_kind_new_group, detail::rank_list_hash(ranks),
+                                    ranks.empty() ? -1 : ranks.front(), static_cast<std::int64_t>(ranks.size()));
+  return get().subgroup(detail::plan_new_group(all, ranks, rank(), size()));
+}
+
+template <communicator C>
+process_group detail::communicator_model<C>::subgroup(subgroup_plan const& plan) {
+  if constexpr (requires { { c_->subgroup(plan) } -> std::same_as<process_group>; }) {
+    return c_->subgroup(plan);
+  } else {
+    throw invalid_argument("dparallel: process_group::split / new_group: this group's communicator has no "
+                           "subgroups (the host, shared-memory and MPI engines and the desync wrapper have them)");
+  }
+}
 
 static_assert(communicator<process_group>);
 

@@ -168,6 +168,10 @@ class desync_detector {
   /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
 
+  /// This rank's subgroup of a split (process_group::split): the wrapped group's subgroup, with
+  /// desync detection too; empty when the rank is in none.
+  process_group subgroup(dparallel::detail::subgroup_plan const& plan);
+
   /// all_reduce after the ranks' calls were compared (see communicator).
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
     return issue({dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0}, t, {});
@@ -321,6 +325,11 @@ static_assert(communicator<desync_detector>);
 /// `inner` behind desync detection (see the top of this file).
 inline process_group with_desync_detection(process_group inner) {
   return process_group(std::make_shared<desync_detector>(std::move(inner)));
+}
+
+inline process_group desync_detector::subgroup(dparallel::detail::subgroup_plan const& plan) {
+  process_group g = dparallel::detail::make_subgroup(inner_, plan);
+  return g.valid() ? with_desync_detection(std::move(g)) : g;
 }
 
 DPARALLEL_NAMESPACE_END

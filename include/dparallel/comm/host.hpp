@@ -154,6 +154,15 @@ class communicator {
     queue_.help_until_idle([] {});
   }
 
+  /// This rank's subgroup of a split of this group (see process_group::split), sharing this
+  /// group's timeout; empty when the rank is in none. Every rank calls it, with the same plan.
+  process_group subgroup(dparallel::detail::subgroup_plan const& plan) {
+    std::uint64_t const id = splits_++;  // the same on every rank: splits are collectives
+    if (plan.mine < 0) return {};
+    auto group = group_->subgroup(id, plan.mine, plan.members());
+    return process_group(std::make_shared<communicator>(std::move(group), plan.group_rank, timeout()));
+  }
+
   /// Declares that this rank issues no more collectives: peers waiting for a later one fail at
   /// once (timeout_error naming this rank) instead of at the timeout. Later calls throw.
   void close() {
@@ -235,6 +244,7 @@ class communicator {
   std::atomic<std::uint64_t> completed_{0};
   std::uint64_t next_seq_ = 1;  // under the queue's mutex, as closed_
   bool closed_ = false;
+  std::uint64_t splits_ = 0;  // subgroups made so far (on the thread that issues collectives)
   dparallel::detail::task_queue<task> queue_;  // last: its thread starts after the other members exist
 };
 

@@ -223,6 +223,12 @@ class communicator {
   /// The options this communicator was made with.
   [[nodiscard]] options const& opts() const noexcept { return state_->opts(); }
 
+  /// This rank's subgroup of a split (see process_group::split): MPI_Comm_split of this group's
+  /// communicator, then make_group on it with this group's timeout and options, so a subgroup
+  /// whose ranks share a node moves its data through shared memory (options::shared_memory).
+  /// Empty when the rank is in none. Every rank calls it, with the same plan.
+  process_group subgroup(dparallel::detail::subgroup_plan const& plan);
+
  private:
   work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
     work w = state_->issue(c, a, b);
@@ -307,6 +313,25 @@ inline process_group make_group(MPI_Comm parent = MPI_COMM_WORLD,
   // node split, which has no nonblocking form.
   auto comm = std::make_shared<communicator>(parent, timeout, opts);
   if (auto shm = dparallel::detail::mpi_shared_memory_group(parent, timeout, opts)) return std::move(*shm);
+  return process_group(std::move(comm));
+}
+
+inline process_group communicator::subgroup(dparallel::detail::subgroup_plan const& plan) {
+  MPI_Comm sub = MPI_COMM_NULL;
+  int rc = MPI_SUCCESS;
+  // Blocking, on the progress thread: the split's request exchange (an all_gather of this
+  // group, waited for) proved that every rank is here and has nothing in flight before it.
+  engine_->call([&] {
+    rc = MPI_Comm_split(state_->data_comm(), plan.mine < 0 ? MPI_UNDEFINED : plan.mine, plan.group_rank, &sub);
+  });
+  if (rc != MPI_SUCCESS)
+    throw comm_error(rank(), "dparallel: mpi: rank " + std::to_string(rank()) +
+                                 ": MPI_Comm_split for a subgroup failed: " + dparallel::detail::mpi_error_text(rc));
+  if (sub == MPI_COMM_NULL) return {};
+  dparallel::detail::mpi_comm_owner const owner{engine_, sub};
+  auto comm = std::make_shared<communicator>(sub, timeout(), opts());  // duplicates `sub`
+  comm->state_->set_parent_ranks(plan.members());
+  if (auto shm = dparallel::detail::mpi_shared_memory_group(sub, timeout(), opts(), plan.members())) return *shm;
   return process_group(std::move(comm));
 }
 

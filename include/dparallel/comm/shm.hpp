@@ -43,6 +43,7 @@
 #include <dparallel/comm/shm/detail/bootstrap.hpp>
 #include <dparallel/comm/shm/detail/collectives.hpp>
 #include <dparallel/comm/shm/detail/group.hpp>
+#include <dparallel/comm/shm/detail/subgroup.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
@@ -131,6 +132,18 @@ class communicator {
   /// Blocks until every collective issued so far has finished; runs the ones not started yet on the caller.
   void drain() {
     queue_.help_until_idle([] {});
+  }
+
+  /// This rank's subgroup of a split (see process_group::split): a shared-memory group of its
+  /// own segment (shm/detail/subgroup.hpp), with this group's timeout; empty when the rank is in
+  /// none. Every rank calls it, with the same plan.
+  process_group subgroup(dparallel::detail::subgroup_plan const& plan) {
+    auto const gather = [this](std::vector<std::uint8_t>& out, std::vector<std::uint8_t>& in) {
+      all_gather(view(out), view(in)).wait();
+    };
+    auto group = dparallel::detail::join_shm_subgroup(plan, *group_, gather, timeout());
+    if (!group) return {};
+    return process_group(std::make_shared<communicator>(std::move(group), timeout()));
   }
 
  private:

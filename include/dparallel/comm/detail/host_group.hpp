@@ -31,6 +31,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/detail/subgroup_plan.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
@@ -47,6 +48,8 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -140,8 +143,10 @@ class host_group {
   using clock = std::chrono::steady_clock;
   static constexpr std::uint64_t open = std::numeric_limits<std::uint64_t>::max();
 
-  explicit host_group(int world_size)
+  /// `parent_ranks`: a subgroup's members in its parent (named in its errors); empty otherwise.
+  explicit host_group(int world_size, std::vector<int> parent_ranks = {})
       : n_(world_size),
+        parent_ranks_(std::move(parent_ranks)),
         posted_(static_cast<std::size_t>(world_size), 0),
         departed_(static_cast<std::size_t>(world_size), 0),
         closed_(static_cast<std::size_t>(world_size), open),
@@ -199,6 +204,21 @@ class host_group {
   void abort(int rank, std::string const& why) {
     std::lock_guard lock(m_);
     set_failure(rank, false, "rank " + std::to_string(rank) + " aborted the process group: " + why);
+  }
+
+  /// The subgroup `index` of split number `id` of this group, whose members (parent ranks, in
+  /// group order) are `members`: made by the first member to ask, shared with the others.
+  std::shared_ptr<host_group> subgroup(std::uint64_t id, int index, std::vector<int> const& members) {
+    std::lock_guard lock(m_);
+    auto const key = std::pair(id, index);
+    auto& entry = subgroups_[key];
+    if (!entry.first) {
+      entry.first = std::make_shared<host_group>(static_cast<int>(members.size()), members);
+      entry.second = members.size();
+    }
+    auto g = entry.first;
+    if (--entry.second == 0) subgroups_.erase(key);  // every member has it
+    return g;
   }
 
   /// Rank `rank` will issue no collective after number `last_seq`: ranks that wait for it at a
@@ -354,7 +374,7 @@ class host_group {
   }
 
   [[nodiscard]] std::exception_ptr error_for(int r, std::uint64_t seq, comm_call const& call) const {
-    return collective_error(r, describe(call), seq, *failure_);
+    return collective_error(r, describe(call), seq, subgroup_failure(*failure_, parent_ranks_));
   }
 
   /// Step 3 for rank r: its share of the collective, over every rank's buffers (the published
@@ -426,7 +446,10 @@ class host_group {
   }
 
   int n_;
+  std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise
   std::mutex m_;
+  // Subgroups being handed out: (split number, group index) -> (group, members yet to take it).
+  std::map<std::pair<std::uint64_t, int>, std::pair<std::shared_ptr<host_group>, std::size_t>> subgroups_;
   std::condition_variable cv_;
   std::vector<std::uint64_t> posted_;    // last sequence number each rank published (0: none)
   std::vector<std::uint64_t> departed_;  // last sequence number each rank finished computing

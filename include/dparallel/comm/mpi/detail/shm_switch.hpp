@@ -18,6 +18,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -40,11 +41,22 @@ inline std::string mpi_bcast_until(MPI_Comm comm, void* data, int count, mpi_clo
   }
 }
 
+/// Frees an MPI communicator (unless null) on the progress thread when it goes out of scope.
+struct mpi_comm_owner {
+  std::shared_ptr<mpi_engine> engine;  ///< The engine whose progress thread makes MPI calls.
+  MPI_Comm comm = MPI_COMM_NULL;       ///< Freed by the destructor.
+  ~mpi_comm_owner() {
+    if (comm != MPI_COMM_NULL) engine->call([&] { MPI_Comm_free(&comm); });
+  }
+};
+
 /// The shared-memory group of the ranks of `parent` when they all share this node and `opts`
 /// allow it (shared_memory, rank_order, not cuda_aware); nullopt otherwise (the same answer on
 /// every rank). Every rank of `parent` must call it, after constructing its MPI communicator.
+/// `parent_ranks`: for a subgroup, its members in its parent (named in its errors).
 inline std::optional<process_group> mpi_shared_memory_group(MPI_Comm parent, std::chrono::milliseconds timeout,
-                                                            mpi::options const& opts) {
+                                                            mpi::options const& opts,
+                                                            std::vector<int> parent_ranks = {}) {
   if (!opts.shared_memory || opts.cuda_aware || opts.reduce != mpi::reduction::rank_order) return std::nullopt;
   auto engine = mpi_engine::instance();
   MPI_Comm node = MPI_COMM_NULL;
@@ -62,13 +74,7 @@ inline std::optional<process_group> mpi_shared_memory_group(MPI_Comm parent, std
     MPI_Comm_size(node, &node_size);
   });
   if (!problem.empty()) throw comm_error(rank, "dparallel: mpi: rank " + std::to_string(rank) + ": " + problem);
-  struct node_comm {
-    std::shared_ptr<mpi_engine> engine;
-    MPI_Comm comm;
-    ~node_comm() {
-      if (comm != MPI_COMM_NULL) engine->call([&] { MPI_Comm_free(&comm); });
-    }
-  } const owner{engine, node};
+  mpi_comm_owner const owner{engine, node};
   if (node_size != size) return std::nullopt;  // several nodes: MPI moves the data
 
   auto const deadline = mpi_clock::now() + timeout;
@@ -88,7 +94,9 @@ inline std::optional<process_group> mpi_shared_memory_group(MPI_Comm parent, std
     }
     return bytes;
   };
-  return shm::make_group(rank, size, share, timeout);
+  auto group = join_shm_group(rank, size, share, timeout, shm::options{});
+  group->set_parent_ranks(std::move(parent_ranks));
+  return process_group(std::make_shared<shm::communicator>(std::move(group), timeout));
 }
 
 }  // namespace detail

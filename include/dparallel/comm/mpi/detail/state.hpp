@@ -8,6 +8,7 @@
 #include <dparallel/comm/mpi/detail/algorithms.hpp>
 #include <dparallel/comm/mpi/detail/common.hpp>
 #include <dparallel/comm/mpi/detail/control.hpp>
+#include <dparallel/comm/detail/subgroup_plan.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -217,6 +218,11 @@ class mpi_comm_state final : public mpi_control_channel {
   void fail_now(std::string const& reason) { fail({rank_, false, reason}, false); }
 
   /// Frees the MPI communicators (healthy groups, or failed ones that ended cleanly).
+  /// (progress thread) The communicator collectives run on; subgroups are split from it.
+  [[nodiscard]] MPI_Comm data_comm() const noexcept { return data_; }
+  /// A subgroup's members in its parent, named in its errors; set before its first collective.
+  void set_parent_ranks(std::vector<int> ranks) { parent_ranks_ = std::move(ranks); }
+
   void free_comms() {
     if (freed_ || !ready_) return;
     freed_ = true;
@@ -226,7 +232,7 @@ class mpi_comm_state final : public mpi_control_channel {
 
  private:
   [[nodiscard]] std::exception_ptr error_for(mpi_task const& t) const {  // lock held or (P)
-    return collective_error(rank_, describe(t.call), t.seq, *failure_);
+    return collective_error(rank_, describe(t.call), t.seq, subgroup_failure(*failure_, parent_ranks_));
   }
   [[nodiscard]] std::exception_ptr stopped_error(mpi_task const& t) const {  // lock held
     if (failure_) return error_for(t);
@@ -398,6 +404,7 @@ class mpi_comm_state final : public mpi_control_channel {
   std::list<std::unique_ptr<mpi_running>> orphans_;
   mpi_staging_cache cache_;
   mpi_clock::time_point next_orphan_test_;
+  std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise
 
  public:
   /// Marks the state stopped (no more collectives) under its lock.

@@ -37,6 +37,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -54,6 +55,8 @@ class shm_group {
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return n_; }
   [[nodiscard]] shm_segment& segment() const noexcept { return *seg_; }
+  /// A subgroup's members in its parent (named in its errors); set before its first collective.
+  void set_parent_ranks(std::vector<int> ranks) { parent_ranks_ = std::move(ranks); }
 
   /// Set-up: counts this rank in, then waits until every rank has mapped the segment (the last
   /// one unlinks its name). Throws timeout_error naming the ranks that never mapped it, or the
@@ -163,7 +166,7 @@ class shm_group {
   }
 
   [[nodiscard]] std::exception_ptr error(std::uint64_t seq, comm_call const& call) const {
-    return collective_error(rank_, describe(call), seq, failure());
+    return collective_error(rank_, describe(call), seq, subgroup_failure(failure(), parent_ranks_));
   }
 
  private:
@@ -277,6 +280,7 @@ class shm_group {
   std::unique_ptr<shm_segment> seg_;
   int rank_;
   int n_;
+  std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise
   std::uint64_t step_ = 0;  // the communication thread's only
 };
 
