@@ -17,11 +17,12 @@
 // model had before; their speed-ups are over single@N). `whole` is one device in one pass over the
 // whole batch (the fastest one-device run; not bitwise any parallel one).
 //
-// Beside the throughput (and the least CPU time per sample of any round, in µs), the process's CPU time over the timed steps gives two diagnostics that
+// Beside the throughput, the process's CPU time over the timed steps gives diagnostics that
 // other programs on the machine cannot distort much: cores = CPU time / wall time (how many cores
 // the mode actually got: on a busy machine a 2-device mode may get fewer than 2, and then its
-// throughput says little), and cpu_efficiency = single's CPU time per sample / the mode's (the
-// work parallelism adds: copies, reductions, synchronisation; 1 = none).
+// throughput says little), cpu_efficiency = single's CPU time per sample / the mode's (the
+// work parallelism adds: copies, reductions, synchronisation; 1 = none), and
+// min_cpu_us_per_sample, the least CPU time per sample of any round.
 //
 // Built a second time as scaling_mpi (DPARALLEL_BENCH_MPI): under `mpirun -np N` it measures DDP
 // over the N MPI processes and writes one CSV that `scaling --mpi FILE` adds to its table.
