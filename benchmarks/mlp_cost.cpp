@@ -1,16 +1,18 @@
 // mlp_cost: where one device's time goes on the reference workload, against what one
 // forward + backward over the whole batch would cost (the way PyTorch runs it).
 //
-// The example's model (examples/mlp.hpp) computes a batch in blocks of mlp::block samples and
-// sums the blocks' gradients pairwise, so that single, dp and ddp give the same bits. This
-// program measures, on one thread, in CPU time per sample (the load of a shared machine distorts
-// CPU time far less than wall time), modes taking turns, best of the rounds:
-//   model            mlp::forward_backward over a batch (blocks of mlp::block, pairwise sums)
-//   gemms_<rows>     only the five GEMMs one forward + backward runs, over blocks of <rows>
+// The example's model (examples/mlp.hpp) computes a batch in passes of at most split.block
+// samples and sums the passes' gradients pairwise, so that single, dp and ddp give the same bits;
+// train_mlp's default pass is a device's whole shard. This program measures, on one thread, in CPU
+// time per sample (the load of a shared machine distorts CPU time far less than wall time), modes
+// taking turns, best of the rounds, for each pass size <rows> from 32, doubling, to the batch:
+//   model_<rows>     mlp::forward_backward over a batch in passes of <rows> (pairwise sums)
+//   gemms_<rows>     only the five GEMMs one forward + backward runs, over passes of <rows>
 //                    samples (the output layer's and the first layer's gradient GEMMs write
-//                    their whole result each block); <rows> = batch is the one-pass cost
-// The ratio gemms_<batch> / model is the throughput a one-pass model would have over ours on
-// this BLAS, all of it arithmetic layout: the library is not involved.
+//                    their whole result each pass); <rows> = batch is the one-pass cost
+// over_model_32 is model_32's time over the mode's (what a pass size gains over 32-sample blocks);
+// over_one_pass is the mode's time over gemms_<batch> (its cost against one-pass GEMMs alone).
+// All of it is arithmetic layout: the library is not involved.
 //   mlp_cost [--batch 128] [--rounds 5] [--steps 200] [--csv FILE]
 
 #include "bench_util.hpp"
@@ -66,7 +68,6 @@ int main(int argc, char** argv) {
   a.done();
   openblas_set_num_threads(1);
 
-  mlp model(1);
   std::vector<float> images(batch * mlp::inputs);
   std::vector<std::int32_t> labels(batch);
   splitmix64 rng(7);
@@ -75,21 +76,25 @@ int main(int argc, char** argv) {
   ::batch const b{dparallel::tensor_view<float const>(images.data(), images.size(), batch),
                   dparallel::tensor_view<std::int32_t const>(labels.data(), batch, batch)};
 
-  // The block sizes: the model's, then doubling up to the whole batch.
-  std::vector<int> blocks;
-  for (std::size_t r = mlp::block; r < batch; r *= 2) blocks.push_back(static_cast<int>(r));
-  blocks.push_back(static_cast<int>(batch));
+  // The pass sizes: 32, doubling up to the whole batch; per size, the model and its GEMMs alone.
+  std::vector<int> rows;
+  for (std::size_t r = 32; r < batch; r *= 2) rows.push_back(static_cast<int>(r));
+  rows.push_back(static_cast<int>(batch));
+  std::vector<mlp> models;
   std::vector<gemms> g;
-  for (int r : blocks) g.emplace_back(r);
+  for (int r : rows) {
+    models.emplace_back(1).split.block = static_cast<std::size_t>(r);
+    g.emplace_back(r);
+  }
 
-  // One timed unit per mode: `steps` batches. Modes take turns each round.
-  std::size_t const modes = 1 + g.size();
+  // One timed unit per mode: `steps` batches. Modes (model_<rows>, gemms_<rows>, ...) take turns.
+  std::size_t const modes = 2 * rows.size();
   auto run_mode = [&](std::size_t m) {
-    if (m == 0) {
-      (void)model.forward_backward(b);
+    if (m % 2 == 0) {
+      (void)models[m / 2].forward_backward(b);
       return;
     }
-    gemms& k = g[m - 1];
+    gemms& k = g[m / 2];
     for (std::size_t first = 0; first < batch; first += static_cast<std::size_t>(k.rows)) k.run();
   };
   for (std::size_t m = 0; m < modes; ++m)
@@ -106,12 +111,13 @@ int main(int argc, char** argv) {
   std::printf("# one device, batch %zu: CPU time per sample, best of %d rounds of %d batches; %s\n", batch, rounds,
               steps, bench::load_note().c_str());
   std::printf("# %s\n", blas_info::summary(blas_info::detect()).c_str());
-  bench::table t({"mode", "rows_per_gemm", "cpu_us_per_sample", "samples_per_cpu_s", "over_model"});
+  bench::table t({"mode", "rows_per_gemm", "cpu_us_per_sample", "samples_per_cpu_s", "over_model_32",
+                  "over_one_pass"});
+  double const one_pass = best[modes - 1];
   for (std::size_t m = 0; m < modes; ++m) {
-    std::string const name = m == 0 ? "model" : bench::fmt("gemms_%d", g[m - 1].rows);
-    int const rows = m == 0 ? static_cast<int>(mlp::block) : g[m - 1].rows;
-    t.add({name, bench::fmt("%d", rows), bench::fmt("%.2f", best[m] * 1e6), bench::fmt("%.0f", 1.0 / best[m]),
-           bench::fmt("%.3f", best[0] / best[m])});
+    std::string const name = bench::fmt(m % 2 == 0 ? "model_%d" : "gemms_%d", rows[m / 2]);
+    t.add({name, bench::fmt("%d", rows[m / 2]), bench::fmt("%.2f", best[m] * 1e6), bench::fmt("%.0f", 1.0 / best[m]),
+           bench::fmt("%.3f", best[0] / best[m]), bench::fmt("%.3f", best[m] / one_pass)});
   }
   t.print();
   if (!csv.empty()) t.write_csv(csv);

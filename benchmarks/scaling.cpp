@@ -10,11 +10,19 @@
 // loader is timed). The modes take turns, --reps rounds, and the best round of each is reported
 // (the median beside it): on a shared machine the best round is the one least disturbed.
 //
-// Beside the throughput, the process's CPU time over the timed steps gives two diagnostics that
+// The model's blocking (examples/mlp.hpp): each device or rank computes its shard in one pass;
+// `single` cuts every batch into --devices parts computed the same way and summed pairwise, the
+// one-device run whose gradients dp's are to the bit (ddp's too, for 2 ranks). A mode name may end
+// in @N: passes of at most N samples instead (single@32, dp@32, ddp@32: the 32-sample blocks the
+// model had before; their speed-ups are over single@N). `whole` is one device in one pass over the
+// whole batch (the fastest one-device run; not bitwise any parallel one).
+//
+// Beside the throughput, the process's CPU time over the timed steps gives diagnostics that
 // other programs on the machine cannot distort much: cores = CPU time / wall time (how many cores
 // the mode actually got: on a busy machine a 2-device mode may get fewer than 2, and then its
-// throughput says little), and cpu_efficiency = single's CPU time per sample / the mode's (the
-// work parallelism adds: copies, reductions, synchronisation; 1 = none).
+// throughput says little), cpu_efficiency = single's CPU time per sample / the mode's (the
+// work parallelism adds: copies, reductions, synchronisation; 1 = none), and
+// min_cpu_us_per_sample, the least CPU time per sample of any round.
 //
 // Built a second time as scaling_mpi (DPARALLEL_BENCH_MPI): under `mpirun -np N` it measures DDP
 // over the N MPI processes and writes one CSV that `scaling --mpi FILE` adds to its table.
@@ -49,6 +57,7 @@ namespace {
 char const* const usage =
     "usage: scaling [--batches 128,512] [--devices 2] [--steps 200] [--warmup 20] [--reps 3]\n"
     "               [--modes single,dp,ddp] [--data DIR] [--csv FILE] [--mpi FILE]\n"
+    "  --modes    single, dp, ddp, whole, torch; single, dp and ddp may end in @N: passes of N samples\n"
     "  --batches  global batch sizes (default 128,512)\n"
     "  --devices  devices (dp) and thread ranks (ddp) (default 2)\n"
     "  --steps    timed steps per measurement, after --warmup untimed ones (default 200, 20)\n"
@@ -108,16 +117,19 @@ measurement throughput(config const& c, std::size_t batch_size, Step&& step) {
 }
 
 #if !DPARALLEL_BENCH_MPI
-measurement run_single(workload const& w, config const& c, std::size_t b, int) {
+/// One device; each batch in `parts` parts, passes of at most `block` samples (0: a part at once).
+measurement run_single(workload const& w, config const& c, std::size_t b, std::size_t parts, std::size_t block) {
   mlp model(c.seed);
+  model.split = {.parts = parts, .block = block};
   return throughput(c, b, [&](std::size_t j) {
     model.forward_backward(w.part(j, b, 0, b));
     sgd(model, c.lr);
   });
 }
 
-measurement run_dp(workload const& w, config const& c, std::size_t b, int devices) {
+measurement run_dp(workload const& w, config const& c, std::size_t b, int devices, std::size_t block) {
   mlp model(c.seed);
+  model.split.block = block;  // the replicas copy it
   dp::data_parallel<mlp> wrapper(model, dp::host::devices(devices));
   return throughput(c, b, [&](std::size_t j) {
     wrapper.step(w.part(j, b, 0, b), [](mlp& m, batch shard) { return m.forward_backward(shard); });
@@ -127,13 +139,14 @@ measurement run_dp(workload const& w, config const& c, std::size_t b, int device
 
 /// DDP over `ranks` thread ranks: rank r trains on rows [r b/ranks, (r+1) b/ranks) of each global
 /// batch; rank 0's clock runs from a barrier after the warm-up to one after the last step.
-measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks) {
+measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks, std::size_t block) {
   std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
   std::barrier sync(ranks);
   measurement result;
   double cpu0 = 0;
   dp::spawn(ranks, [&](dp::rank_context& rank) {
     mlp model(c.seed);
+    model.split.block = block;
     dp::distributed_data_parallel<mlp> ddp(model, rank.group());
     auto const first = static_cast<std::size_t>(rank.rank()) * per_rank;
     auto step = [&](std::size_t j) {
@@ -257,9 +270,14 @@ int main(int argc, char** argv) {
     for (int k = 0; k < reps; ++k) {
       for (auto const& m : modes) {
         measurement v;
-        if (m == "single") v = run_single(w, c, b, 1);
-        else if (m == "dp") v = run_dp(w, c, b, devices);
-        else if (m == "ddp") v = run_ddp(w, c, b, devices);
+        auto const at = m.find('@');
+        std::string const kind = m.substr(0, at);
+        std::size_t const block = at == std::string::npos ? 0 : std::stoul(m.substr(at + 1));
+        auto const parts = static_cast<std::size_t>(devices);
+        if (kind == "single") v = run_single(w, c, b, parts, block);
+        else if (m == "whole") v = run_single(w, c, b, 1, 0);
+        else if (kind == "dp") v = run_dp(w, c, b, devices, block);
+        else if (kind == "ddp") v = run_ddp(w, c, b, devices, block);
         else if (m == "torch" && !torch.empty()) v = run_torch(torch, dir, c, b);
         else {
           std::fprintf(stderr, "scaling: unknown mode '%s' (single, dp, ddp; torch with --torch)\n", m.c_str());
@@ -292,7 +310,7 @@ int main(int argc, char** argv) {
               "best of %d rounds; %s\n",
               c.steps, c.warmup, reps, bench::load_note().c_str());
   bench::table t({"batch", "mode", "devices", "samples_per_s", "median_samples_per_s", "speedup", "efficiency", "cores",
-                  "cpu_efficiency"});
+                  "cpu_efficiency", "min_cpu_us_per_sample"});
   std::vector<std::string> vs_torch;
   for (double bd : batches) {
     auto const b = static_cast<std::size_t>(bd);
@@ -308,20 +326,36 @@ int main(int argc, char** argv) {
       for (auto const& x : got[{b, m}]) v.push_back(x.samples_per_s);
       return bench::median(v);
     };
-    measurement const single = best("single");
+    // The reference of a mode: single with the same @N (single when there is none).
+    auto const reference = [&](std::string const& m) {
+      auto const at = m.find('@');
+      std::string const r = at == std::string::npos ? "single" : "single" + m.substr(at);
+      return got.count({b, r}) != 0 ? best(r) : best("single");
+    };
     auto add = [&](std::string const& m, int n, measurement const& x, double median) {
+      measurement const single = reference(m);
+      double min_cpu = x.cpu_per_sample;  // the least CPU time per sample of any round
+      for (auto const& r : got[{b, m}])
+        if (r.cpu_per_sample > 0) min_cpu = std::min(min_cpu, r.cpu_per_sample);
       bool const ref = single.samples_per_s > 0;
       t.add({bench::fmt("%zu", b), m, bench::fmt("%d", n), bench::fmt("%.1f", x.samples_per_s), bench::fmt("%.1f", median),
              ref ? bench::fmt("%.3f", x.samples_per_s / single.samples_per_s) : "",
              ref ? bench::fmt("%.3f", x.samples_per_s / (n * single.samples_per_s)) : "",
              bench::fmt("%.2f", x.cpu_per_sample * x.samples_per_s),
-             ref && x.cpu_per_sample > 0 ? bench::fmt("%.3f", single.cpu_per_sample / x.cpu_per_sample) : ""});
+             ref && x.cpu_per_sample > 0 ? bench::fmt("%.3f", single.cpu_per_sample / x.cpu_per_sample) : "",
+             bench::fmt("%.2f", min_cpu * 1e6)});
     };
-    for (auto const& m : modes) add(m, m == "single" || m == "torch" ? 1 : devices, best(m), med(m));
-    if (double const th = best("torch").samples_per_s; th > 0) {
-      for (char const* m : {"dp", "ddp"})
-        if (double const x = best(m).samples_per_s; x > 0)
-          vs_torch.push_back(bench::fmt("batch %zu: ", b) + m + bench::fmt(" / torch (1 thread) = %.3f", x / th));
+    for (auto const& m : modes)
+      add(m, m.starts_with("single") || m == "whole" || m == "torch" ? 1 : devices, best(m), med(m));
+    // Against PyTorch on one thread: samples/s, and CPU time per sample (torch's over the mode's:
+    // the work per sample, which the machine's load distorts far less).
+    if (measurement const th = best("torch"); th.samples_per_s > 0) {
+      for (auto const& m : modes)
+        if (measurement const x = best(m); (m.starts_with("dp") || m.starts_with("ddp")) && x.samples_per_s > 0)
+          vs_torch.push_back(bench::fmt("batch %zu: ", b) + m +
+                             bench::fmt(" / torch (1 thread) = %.3f (samples/s), %.3f (CPU time per sample)",
+                                        x.samples_per_s / th.samples_per_s,
+                                        x.cpu_per_sample > 0 ? th.cpu_per_sample / x.cpu_per_sample : 0.0));
     }
     if (auto it = mpi.find(b); it != mpi.end())
       add("ddp_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);

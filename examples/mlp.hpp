@@ -78,33 +78,54 @@ struct mlp {
     fill(w2, std::sqrt(6.0f / static_cast<float>(hidden + classes)));
   }
 
-  /// Samples are processed in blocks of this many; see forward_backward.
-  static constexpr std::size_t block = 32;
+  /// How forward_backward cuts a batch into forward/backward passes, and sums their gradients. A
+  /// runtime property, inherited by copies (dparallel's replicas copy the model they replicate).
+  struct blocking {
+    /// Parts the batch is cut into, as dparallel's DataParallel cuts a batch over devices
+    /// (torch.chunk: ceil(n / parts) samples each, the last one the rest). 1 on a device or rank
+    /// that computes its own shard; R on one device that reproduces R devices or ranks.
+    std::size_t parts = 1;
+    /// At most this many samples per pass within a part; 0: each part in one pass (the largest
+    /// GEMMs, the fastest).
+    std::size_t block = 0;
+    /// How the parts' gradients are summed: false: pairwise ((p0 + p1) + (p2 + p3)), DataParallel's
+    /// reduction (host::weighted_sum); true: in order ((p0 + p1) + p2) + p3, the host communicator's
+    /// all-reduce (DDP over thread ranks). The same for up to 3 parts.
+    bool parts_in_order = false;
+  };
+  /// This model's blocking (see forward_backward).
+  blocking split;
 
   /// Forward and backward over `b`: leaves the gradient of the mean loss over `b` in gw1..gb2
   /// (overwriting them) and returns that mean loss.
   ///
-  /// The batch is processed in blocks of `block` samples whose gradients are summed pairwise,
-  /// ((g0 + g1) + (g2 + g3)) + ..., the tree dparallel's DataParallel reduction uses across devices.
-  /// So when every device's shard is a power-of-two number of whole blocks (global batch 128 on 1,
-  /// 2 or 4 devices), DataParallel computes bitwise the gradient of one device: the example's
-  /// single and dp runs then train the same model bit for bit (but for the last, partial batch).
+  /// The batch is cut into `split.parts` parts, each part into passes of at most `split.block`
+  /// samples. The passes of a part are summed pairwise, ((g0 + g1) + (g2 + g3)) + ..., the tree
+  /// dparallel's DataParallel reduction uses across devices; the parts pairwise as well, or in order
+  /// (split.parts_in_order). So a device whose shard is one part computes what the same part
+  /// computes here, and the reduction across devices (ranks) adds the parts as this model adds them:
+  /// when the reduction's weights are powers of two (2 or 4 equal shards), single, dp and ddp train
+  /// the same model bit for bit, the last, partial batch of an epoch included when every device's
+  /// (rank's) shard of it is a part here. Each pass's samples are weighted by 1 / n exactly as the
+  /// device's 1 / (n / parts) times the reduction's 1 / parts (powers of two scale exactly).
   float forward_backward(batch const& b) {
     std::size_t const n = check(b);
     float const inv_n = 1.0f / static_cast<float>(n);
+    std::size_t const per_part = (n + split.parts - 1) / split.parts;
+    std::size_t const per_pass = pass_rows(n);
     double loss = 0;
-    std::size_t depth = 0;
-    for (std::size_t first = 0; first < n; first += block) {
-      std::size_t const m = std::min(block, n - first);
-      loss += block_gradient(b, first, m, inv_n, level(depth));
-      terms_[depth++] = 1;
-      while (depth >= 2 && terms_[depth - 1] == terms_[depth - 2]) {
-        add(level(depth - 2), level(depth - 1));
-        terms_[depth - 2] *= 2;
-        --depth;
+    tree parts{0};
+    for (std::size_t first = 0; first < n; first += per_part) {
+      std::size_t const end = std::min(n, first + per_part);
+      tree passes{parts.top()};  // this part's passes, above the partial sums of the parts before it
+      for (std::size_t at = first; at < end; at += per_pass) {
+        loss += block_gradient(b, at, std::min(per_pass, end - at), inv_n, level(passes.top()));
+        push(passes, false);
       }
+      fold(passes);  // the part's gradient, at level parts.top()
+      push(parts, split.parts_in_order);
     }
-    for (; depth >= 2; --depth) add(level(depth - 2), level(depth - 1));
+    fold(parts);
     return static_cast<float>(loss / static_cast<double>(n));
   }
 
@@ -112,8 +133,9 @@ struct mlp {
   std::size_t count_correct(batch const& b) {
     std::size_t const n = check(b);
     std::size_t correct = 0;
-    for (std::size_t first = 0; first < n; first += block) {
-      std::size_t const m = std::min(block, n - first);
+    std::size_t const rows = pass_rows(n);
+    for (std::size_t first = 0; first < n; first += rows) {
+      std::size_t const m = std::min(rows, n - first);
       forward(b.images.data() + first * inputs, m);
       for (std::size_t i = 0; i < m; ++i) {
         float const* z = logits_.data() + i * classes;
@@ -134,6 +156,26 @@ struct mlp {
     while (scratch_.size() < k) scratch_.emplace_back(gw1.size() + gb1.size() + gw2.size() + gb2.size());
     float* p = scratch_[k - 1].data();
     return {p, p + gw1.size(), p + gw1.size() + gb1.size(), p + gw1.size() + gb1.size() + gw2.size()};
+  }
+  // A sum of terms over scratch levels from `base` up, in host::weighted_sum's pairwise tree or in
+  // order: a term is written at level top(), then push() merges it; fold() leaves the sum at `base`.
+  struct tree {
+    std::size_t base;
+    std::size_t depth = 0;
+    std::size_t terms[64] = {};  // terms summed in each partial sum
+    [[nodiscard]] std::size_t top() const { return base + depth; }
+  };
+  void push(tree& t, bool in_order) {
+    t.terms[t.depth++] = 1;
+    while (t.depth >= 2 && (in_order || t.terms[t.depth - 1] == t.terms[t.depth - 2])) {
+      add(level(t.base + t.depth - 2), level(t.base + t.depth - 1));
+      t.terms[t.depth - 2] += t.terms[t.depth - 1];
+      --t.depth;
+    }
+  }
+  // Uneven counts: the remaining partial sums, right to left (as host::weighted_sum folds them).
+  void fold(tree& t) {
+    for (; t.depth >= 2; --t.depth) add(level(t.base + t.depth - 2), level(t.base + t.depth - 1));
   }
   void add(grad_set into, grad_set from) const {
     auto sum = [](float* d, float const* s, std::size_t count) {
@@ -197,13 +239,21 @@ struct mlp {
                                     std::to_string(b.labels[i]) + " for sample " + std::to_string(i));
       }
     }
-    std::size_t const rows = std::min(n, block);  // forward_backward works block by block
+    if (split.parts == 0)
+      throw std::invalid_argument("mlp: expected split.parts >= 1 (1: the batch is one part), found 0");
+    std::size_t const rows = pass_rows(n);  // forward_backward works pass by pass
     if (hidden_.size() < rows * hidden) {
       hidden_.resize(rows * hidden);
       delta_.resize(rows * hidden);
       logits_.resize(rows * classes);
     }
     return n;
+  }
+
+  // The most samples forward_backward passes at once over a batch of n.
+  [[nodiscard]] std::size_t pass_rows(std::size_t n) const {
+    std::size_t const per_part = (n + split.parts - 1) / split.parts;
+    return split.block == 0 ? per_part : std::min(split.block, per_part);
   }
 
   // hidden_ = relu(X W1 + b1), logits_ = hidden_ W2 + b2, for the first n rows of X.
@@ -225,10 +275,9 @@ struct mlp {
       for (std::size_t j = 0; j < cols; ++j) out[j] += d[i * cols + j];
   }
 
-  // Scratch, sized for the largest batch (or block) seen; each replica has its own.
+  // Scratch, sized for the largest pass seen; each replica has its own.
   std::vector<float> hidden_, delta_, logits_;
-  std::vector<std::vector<float>> scratch_;  // partial gradient sums of the pairwise tree
-  std::size_t terms_[64] = {};               // blocks summed in each partial sum
+  std::vector<std::vector<float>> scratch_;  // partial gradient sums of the trees (levels 1..)
 };
 
 /// The adaptation to dparallel, outside the model: its parameters and their gradients, in the

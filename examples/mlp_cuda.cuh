@@ -10,7 +10,7 @@
 // from a host mlp (seeded, or read from a file) and copied back into one (download), so the state
 // dicts and checkpoints of --backend host and --backend cuda are interchangeable. The gradient is
 // that of the mean loss over the batch, as mlp's, but summed in cuBLAS's order over the whole batch
-// (no blocks of 32): runs on several devices agree with one device within rounding, not to the bit.
+// (no mlp::blocking): runs on several devices agree with one device within rounding, not to the bit.
 //
 // Compile with nvcc; link dparallel::cuda and CUDA::cublas.
 

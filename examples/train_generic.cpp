@@ -11,9 +11,11 @@
 //
 //   train_generic --bundle ddp --devices 2 --train-samples 1024 --expect bitwise
 //
-// With 2 or 4 replicas and a global batch of 128, every shard is a power-of-two number of the
-// model's 32-sample blocks, which it sums pairwise like dparallel's reductions: DataParallel and
-// 2-rank DDP then compute the one-device gradient to the bit. Other counts agree within rounding.
+// Each replica computes its shard in one pass (mlp::blocking's default); the one-device run cuts
+// every batch into as many parts and sums their gradients as the bundle's reduction sums the
+// shards': pairwise for DataParallel, in rank order for DDP's all-reduce over thread ranks. With 2
+// or 4 replicas (power-of-two weights) the parallel gradient is then the one-device gradient to the
+// bit; other counts agree within rounding.
 
 #include "fashion_mnist.hpp"
 #include "mlp.hpp"
@@ -137,9 +139,11 @@ std::vector<float> train(dparallel::world const& w, config const& cfg, fashion_m
   return trained;
 }
 
-/// One device, no dparallel wrapper: the same batches (read as `replicas` sampler replicas).
+/// One device, no dparallel wrapper: the same batches (read as `replicas` sampler replicas), each
+/// cut into `replicas` parts summed as the bundle sums the replicas' gradients.
 std::vector<float> one_device(config const& cfg, fashion_mnist::dataset const& data, int replicas) {
   mlp model(cfg.seed);
+  model.split = {.parts = static_cast<std::size_t>(replicas), .block = 0, .parts_in_order = cfg.bundle != "dp"};
   dparallel::batch_plan plan(data.size(), replicas, 0, replicas, {.global_batch = cfg.batch, .seed = cfg.seed});
   for (int epoch = 0; epoch < cfg.epochs; ++epoch) {
     plan.set_epoch(static_cast<std::uint64_t>(epoch));

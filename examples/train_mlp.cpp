@@ -77,6 +77,7 @@ std::string to_json(config const& cfg, result const& r, training_data const& dat
          ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
          ",\"lr\":" + number(cfg.lr) + ",\"seed\":" + std::to_string(cfg.seed) +
          ",\"sampler_replicas\":" + std::to_string(cfg.sampler_replicas) +
+         (cfg.backend == "cuda" ? std::string() : ",\"block\":" + std::to_string(cfg.block)) +
          ",\"train_samples\":" + std::to_string(data.train.size()) +
          ",\"test_samples\":" + std::to_string(data.test.size()) + ",\"test_accuracy\":" + number(r.test_accuracy) +
          ",\"train_loss\":" + number(r.train_loss) + ",\"samples_per_s\":" + number(r.samples_per_s) +
@@ -181,6 +182,12 @@ int main(int argc, char** argv) {
       std::printf("train_mlp: %d epoch%s, global batch %zu, lr %s, seed %llu\n", cfg.epochs,
                   cfg.epochs == 1 ? "" : "s", cfg.global_batch, number(cfg.lr).c_str(),
                   static_cast<unsigned long long>(cfg.seed));
+      if (cfg.backend != "cuda") {
+        mlp::blocking const split = model_blocking(cfg);
+        std::printf("train_mlp: passes of %zu samples (--block), %zu part%s per batch%s\n", cfg.block, split.parts,
+                    split.parts == 1 ? "" : "s",
+                    split.parts > 3 ? (split.parts_in_order ? ", summed in order" : ", summed pairwise") : "");
+      }
       if (!cfg.init.empty()) std::printf("train_mlp: starting from the model in %s\n", cfg.init.c_str());
       if (start.resumed)
         std::printf("train_mlp: resuming %s at epoch %llu, step %llu\n", cfg.resume.c_str(),

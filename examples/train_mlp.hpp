@@ -46,6 +46,11 @@ struct config {
   double lr = 0.1;
   std::uint64_t seed = 1;
   int sampler_replicas = 0;  // 0 = the mode's default (single, dp: 1; ddp: --devices)
+  // --block: samples per forward/backward pass of the host model (mlp::blocking::block); 0 until
+  // parse_command_line / apply_world set it to the shard, global batch / max(devices, replicas).
+  std::size_t block = 0;
+  bool block_given = false;
+  std::string part_sum = "pairwise";  // --part-sum: how single sums its parts (mlp::blocking)
   bool json = false;
   bool help = false;
   std::string data = fashion_mnist::default_dir;
@@ -177,5 +182,10 @@ config parse_command_line(int argc, char** argv);
 #if DPARALLEL_EXAMPLE_MPI || DPARALLEL_EXAMPLE_NCCL
 void apply_world(config& cfg, int world);
 #endif
+/// The shard: samples per device or rank of a full global batch, ceil(B / max(devices, replicas)).
+std::size_t shard_size(config const& cfg);
+/// The model's blocking for the run: single cuts each batch into --sampler-replicas parts (the
+/// shards of the devices or ranks it reproduces); a device or rank computes its shard as one part.
+mlp::blocking model_blocking(config const& cfg);
 
 }  // namespace example

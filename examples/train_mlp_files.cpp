@@ -20,6 +20,7 @@ namespace example {
 /// model and progress of the checkpoint of --resume. Errors name the option and the file.
 start_point load_start(config const& cfg) {
   start_point s{mlp(cfg.seed)};
+  s.model.split = model_blocking(cfg);  // every mode copies the model: its replicas inherit it
   s.progress.seed = cfg.seed;
   // Whether a file is a checkpoint, to tell a checkpoint passed to --init or a state dict passed
   // to --resume; nothing when it cannot be read (the load below says why).

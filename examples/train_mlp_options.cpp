@@ -66,6 +66,14 @@ void print_usage(std::FILE* out) {
                "                 replaces the initialisation, --resume brings the checkpoint's seed)\n"
                "  --sampler-replicas R  order the samples as DDP with R ranks reads them: global batch j is\n"
                "                 the concatenation of the R ranks' batch j (default: 1; ddp: --devices)\n"
+               "  --block N      host model: samples per forward/backward pass (default: the shard, --batch /\n"
+               "                 max(devices, sampler replicas): one pass per device or rank, the largest\n"
+               "                 GEMMs); must divide the shard. single cuts each batch into --sampler-replicas\n"
+               "                 parts and computes each as a device would, so single, dp and ddp with the\n"
+               "                 same --block and --sampler-replicas (2 or 4) train the same model bit for bit\n"
+               "  --part-sum S   single: how the parts' gradients are summed: pairwise (default; dp's\n"
+               "                 reduction) or in-order (ddp's all-reduce over thread ranks); the same for up\n"
+               "                 to 3 parts\n"
                "  --data DIR     folder of the gzip'ed IDX files (default: %s)\n"
                "  --train-samples N  train on the first N training images only (quick runs; default: all)\n"
                "  --steps K      stop after K optimizer steps in total, counting those before --resume\n"
@@ -169,6 +177,22 @@ std::string resolve_backend(config& cfg) {
   return why;
 }
 
+/// --block: the shard when not given, else checked to divide it (every pass then has the same
+/// size: the shard is whole blocks). Once devices and sampler replicas are known.
+void set_block(config& cfg) {
+  std::size_t const shard = shard_size(cfg);
+  if (!cfg.block_given) {
+    cfg.block = shard;
+    return;
+  }
+  if (shard % cfg.block != 0)
+    throw usage_error("--block " + std::to_string(cfg.block) + ": expected a divisor of the shard, " +
+                      std::to_string(shard) + " samples (--batch " + std::to_string(cfg.global_batch) + " over max(" +
+                      std::to_string(cfg.devices) + " devices, " + std::to_string(cfg.sampler_replicas) +
+                      " sampler replicas)), so that every pass is a whole block; leave --block out for one pass "
+                      "per shard");
+}
+
 config parse_command_line(int argc, char** argv) {
   config cfg;
   bool devices_given = false;
@@ -232,6 +256,13 @@ config parse_command_line(int argc, char** argv) {
       cfg.seed_given = true;
     } else if (arg == "--sampler-replicas") {
       cfg.sampler_replicas = parse_int<int>(arg, next(), 1, 1024);
+    } else if (arg == "--block") {
+      cfg.block = parse_int<std::size_t>(arg, next(), 1, 60000);
+      cfg.block_given = true;
+    } else if (arg == "--part-sum") {
+      cfg.part_sum = std::string(next());
+      if (cfg.part_sum != "pairwise" && cfg.part_sum != "in-order")
+        throw usage_error("--part-sum: expected pairwise or in-order, found '" + cfg.part_sum + "'");
     } else if (arg == "--backend") {
       cfg.backend = std::string(next());
       if (cfg.backend != "host" && cfg.backend != "cuda" && cfg.backend != "auto")
@@ -330,6 +361,12 @@ config parse_command_line(int argc, char** argv) {
     throw usage_error("--uneven: this example joins ranks on the host backend (--comm thread or mpi); add --backend host");
   if (cfg.comm_hook != "none" && cfg.backend == "cuda")
     throw usage_error("--comm-hook " + cfg.comm_hook + ": the built-in hooks convert on the host; use --backend host");
+  if (cfg.block_given && cfg.backend == "cuda")
+    throw usage_error("--block " + std::to_string(cfg.block) +
+                      ": the GPU model computes each shard in one pass; --block applies to the host backend");
+  if (cfg.part_sum != "pairwise" && cfg.mode != "single")
+    throw usage_error("--part-sum " + cfg.part_sum + ": only --mode single sums parts of a batch (a device or rank "
+                      "computes its shard as one part), found --mode " + cfg.mode);
   // The world size, hence devices and sampler replicas, come from the launch: see main.
   if (cfg.comm == "mpi" || cfg.comm == "nccl") return cfg;
   if (cfg.mode == "single") {
@@ -352,7 +389,19 @@ config parse_command_line(int argc, char** argv) {
   if (cfg.global_batch % static_cast<std::size_t>(cfg.sampler_replicas) != 0)
     throw usage_error("--batch " + std::to_string(cfg.global_batch) + ": expected a multiple of the " +
                       std::to_string(cfg.sampler_replicas) + " sampler replicas (ranks), which share it equally");
+  set_block(cfg);
   return cfg;
+}
+
+std::size_t shard_size(config const& cfg) {
+  auto const n = static_cast<std::size_t>(std::max(cfg.devices, cfg.sampler_replicas));
+  return (cfg.global_batch + n - 1) / n;
+}
+
+mlp::blocking model_blocking(config const& cfg) {
+  return {.parts = cfg.mode == "single" ? static_cast<std::size_t>(cfg.sampler_replicas) : std::size_t{1},
+          .block = cfg.block,
+          .parts_in_order = cfg.part_sum == "in-order"};
 }
 
 #if DPARALLEL_EXAMPLE_MPI || DPARALLEL_EXAMPLE_NCCL
@@ -372,6 +421,7 @@ void apply_world(config& cfg, int world) {
   if (cfg.global_batch % static_cast<std::size_t>(world) != 0)
     throw usage_error("--batch " + std::to_string(cfg.global_batch) + ": expected a multiple of the " +
                       std::to_string(world) + " sampler replicas (ranks), which share it equally");
+  set_block(cfg);
 }
 #endif
 
