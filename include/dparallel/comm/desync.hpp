@@ -18,28 +18,23 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
-#include <dparallel/comm/detail/issue_order.hpp>
 #include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/serial_worker.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <array>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -138,7 +133,6 @@ class desync_detector {
     dparallel::detail::require(inner_.valid(), "with_desync_detection: expected a process group, found an empty one");
     rank_ = inner_.rank();
     size_ = inner_.size();
-    worker_ = std::thread([this] { run(); });
   }
   desync_detector(desync_detector const&) = delete;
   desync_detector& operator=(desync_detector const&) = delete;
@@ -146,12 +140,7 @@ class desync_detector {
   /// Joins the worker. Collectives still pending abort the wrapped group first (their peers would
   /// otherwise wait for this rank until the timeout).
   ~desync_detector() {
-    std::size_t pending = 0;
-    {
-      std::lock_guard lock(m_);
-      pending = pending_;
-      stopping_ = true;
-    }
+    std::size_t const pending = worker_.pending();
     if (pending != 0) {
       try {
         inner_.abort("its desync detector was destroyed with " + std::to_string(pending) + " collective" +
@@ -159,8 +148,7 @@ class desync_detector {
       } catch (...) {  // NOLINT(bugprone-empty-catch): nothing to do in a destructor
       }
     }
-    cv_.notify_all();
-    worker_.join();
+    worker_.stop();
   }
 
   /// This rank.
@@ -205,12 +193,9 @@ class desync_detector {
   /// Sets the wrapped group's timeout.
   void set_timeout(std::chrono::milliseconds t) { inner_.set_timeout(t); }
   /// Number of collectives this wrapper has finished.
-  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return completed_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return worker_.completed(); }
   /// Blocks until every collective issued so far has finished (successfully or not).
-  void drain() {
-    std::unique_lock lock(m_);
-    idle_.wait(lock, [&] { return pending_ == 0; });
-  }
+  void drain() { worker_.drain(); }
 
   /// The wrapped group.
   [[nodiscard]] process_group const& inner() const noexcept { return inner_; }
@@ -221,23 +206,14 @@ class desync_detector {
     dparallel::detail::comm_call call;
     tensor_ref a;
     tensor_ref b;
-    dparallel::detail::work_promise done;
-    dparallel::detail::issue_order::token order;  // the caller's position in its device work
   };
 
+  // Runs on the worker, under the caller's issue_order token (the forwarded collective is
+  // ordered after the caller's GPU work, not after the worker's, which has none).
   work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
-    dparallel::detail::work_promise p;
-    work w = p.get_work();
-    // Captured here, on the caller's thread: the worker's forwarded collective must be ordered
-    // after the caller's GPU work, not after the worker's (which has none).
-    auto order = dparallel::detail::issue_order::capture();
-    {
-      std::lock_guard lock(m_);
-      queue_.push_back(task{next_seq_++, c, a, b, std::move(p), std::move(order)});
-      ++pending_;
-    }
-    cv_.notify_all();
-    return w;
+    return worker_.submit([this, c, a, b](std::uint64_t seq) {
+      if (auto failure = execute(task{seq, c, a, b})) std::rethrow_exception(failure);
+    });
   }
 
   [[nodiscard]] std::exception_ptr failed_error(task const& t) const {
@@ -248,7 +224,6 @@ class desync_detector {
   // Runs one collective: the fingerprint exchange, then (when every rank agrees) the collective.
   std::exception_ptr execute(task const& t) {
     if (failure_) return failed_error(t);
-    dparallel::detail::issue_order::scope const issued_by_caller(t.order);
     auto const mine = dparallel::detail::desync_fingerprint::encode(t.seq, t.call);
     std::vector<std::int64_t> m(mine.begin(), mine.end());
     std::vector<std::int64_t> all(m.size() * static_cast<std::size_t>(size_));
@@ -280,44 +255,11 @@ class desync_detector {
     }
   }
 
-  void run() {
-    for (;;) {
-      task t;
-      {
-        std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        t = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      std::exception_ptr failure;
-      try {
-        failure = execute(t);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      {  // not pending before the work completes (see the destructor's check)
-        std::lock_guard lock(m_);
-        if (--pending_ == 0) idle_.notify_all();
-      }
-      completed_.fetch_add(1, std::memory_order_release);
-      t.done.complete(std::move(failure));
-    }
-  }
-
   process_group inner_;
   int rank_ = 0;
   int size_ = 1;
   std::optional<std::pair<int, std::string>> failure_;  // worker thread only
-  std::atomic<std::uint64_t> completed_{0};
-  std::mutex m_;
-  std::condition_variable cv_;
-  std::condition_variable idle_;
-  std::deque<task> queue_;
-  std::size_t pending_ = 0;
-  std::uint64_t next_seq_ = 1;
-  bool stopping_ = false;
-  std::thread worker_;  // last: starts after every other member is constructed
+  dparallel::detail::serial_worker worker_;  // last: its thread runs jobs that use the members above
 };
 
 static_assert(communicator<desync_detector>);

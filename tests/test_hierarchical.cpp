@@ -1,0 +1,118 @@
+// Hierarchical process groups over thread ranks (comm/hierarchical.hpp): the all_reduce equals the
+// serial reference of the documented order, bit for bit (2 x 2, 2 x 3, 3 x 2, and nodes that are
+// not consecutive ranks); DDP over it equals DDP over a group adding in that order; one node, and
+// one rank per node, equal the flat group; nodes of different sizes fail alike on every rank.
+#include "hierarchical_checks.hpp"
+
+#include <dparallel/comm/hierarchical.hpp>
+#include <dparallel/dparallel.hpp>
+#include <dparallel/spawn.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+namespace dp = dparallel;
+namespace hc = hierarchical_checks;
+
+TEST_CASE("hierarchical: all_reduce equals the documented-order reference, bit for bit", "[host][comm]") {
+  struct layout {
+    int world, per_node;
+  };
+  for (auto const [world, per_node] : {layout{4, 2}, layout{6, 2}, layout{6, 3}}) {
+    std::vector<std::string> errors(static_cast<std::size_t>(world));
+    dp::spawn(world, [&](dp::rank_context& ctx) {
+      auto const h = dp::make_hierarchical(ctx.group(), {.ranks_per_node = per_node});
+      auto const nodes = hc::consecutive(world, per_node);
+      std::string e = hc::check_all_reduce(h, nodes, ctx.rank());
+      if (e.empty()) e = hc::check_ddp(h, ctx.group(), nodes);
+      errors[static_cast<std::size_t>(ctx.rank())] = e;
+    });
+    for (int r = 0; r < world; ++r) {
+      INFO(world << " ranks, " << per_node << " per node, rank " << r);
+      CHECK(errors[static_cast<std::size_t>(r)] == "");
+    }
+  }
+}
+
+TEST_CASE("hierarchical: nodes given by node_id need not be consecutive ranks", "[host][comm]") {
+  std::vector<std::string> errors(6);
+  std::vector<int> node(6), local(6);
+  dp::spawn(6, [&](dp::rank_context& ctx) {
+    int const p = ctx.rank();
+    // Nodes by their first rank: node 0 = {0, 3, 4} (id 9), node 1 = {1, 2, 5} (id 2).
+    int const id = (p == 0 || p == 3 || p == 4) ? 9 : 2;
+    auto const comm = std::make_shared<dp::hierarchical_communicator>(ctx.group(), dp::hierarchical_options{.node_id = id});
+    node[static_cast<std::size_t>(p)] = comm->node();
+    local[static_cast<std::size_t>(p)] = comm->local_rank();
+    errors[static_cast<std::size_t>(p)] = hc::check_all_reduce(dp::process_group(comm), {{0, 3, 4}, {1, 2, 5}}, p);
+  });
+  CHECK(node == std::vector<int>{0, 1, 1, 0, 0, 1});
+  CHECK(local == std::vector<int>{0, 0, 1, 1, 2, 2});
+  for (auto const& e : errors) CHECK(e == "");
+}
+
+TEST_CASE("hierarchical: one node, or one rank per node, equals the flat group", "[host][comm]") {
+  for (int per_node : {0, 1, 4}) {  // 0: by host name (thread ranks share one)
+    std::vector<std::vector<float>> flat(4), hier(4);
+    dp::spawn(4, [&](dp::rank_context& ctx) {
+      auto const h = dp::make_hierarchical(ctx.group(), {.ranks_per_node = per_node});
+      auto x = hc::input<float>(ctx.rank(), 10'001, 5);
+      auto y = x;
+      ctx.group().all_reduce(dp::view(x), dp::reduce_op::avg).wait();
+      h.all_reduce(dp::view(y), dp::reduce_op::avg).wait();
+      flat[static_cast<std::size_t>(ctx.rank())] = x;
+      hier[static_cast<std::size_t>(ctx.rank())] = y;
+    });
+    INFO("ranks per node " << per_node);
+    CHECK(hier == flat);
+  }
+}
+
+TEST_CASE("hierarchical: the other collectives are the parent's", "[host][comm]") {
+  std::vector<std::string> errors(4);
+  dp::spawn(4, [&](dp::rank_context& ctx) {
+    auto const h = dp::make_hierarchical(ctx.group(), {.ranks_per_node = 2});
+    int const p = ctx.rank();
+    auto b = hc::input<float>(p, 33, 1);
+    h.broadcast(dp::view(b), 3).wait();
+    auto in = hc::input<float>(p, 4 * 9, 2), out = std::vector<float>(9);
+    auto in_flat = in, out_flat = out;
+    h.reduce_scatter(dp::view(out), dp::view(in)).wait();
+    ctx.group().reduce_scatter(dp::view(out_flat), dp::view(in_flat)).wait();
+    std::vector<float> all(4 * 5), mine = hc::input<float>(p, 5, 3);
+    h.all_gather(dp::view(all), dp::view(mine)).wait();
+    h.barrier().wait();
+    std::string e;
+    if (b != hc::input<float>(3, 33, 1)) e = "broadcast";
+    if (out != out_flat) e = "reduce_scatter";
+    for (int j = 0; j < 4; ++j) {
+      if (!std::equal(all.begin() + 5 * j, all.begin() + 5 * j + 5, hc::input<float>(j, 5, 3).begin())) e = "all_gather";
+    }
+    errors[static_cast<std::size_t>(p)] = e;
+  });
+  for (auto const& e : errors) CHECK(e == "");
+}
+
+TEST_CASE("hierarchical: nodes of different sizes fail alike on every rank", "[host][comm]") {
+  std::vector<std::string> what(5);
+  dp::spawn(5, [&](dp::rank_context& ctx) {
+    // Nodes {0, 1}, {2, 3}, {4}.
+    what[static_cast<std::size_t>(ctx.rank())] =
+        subgroup_checks::thrown_by([&] { (void)dp::make_hierarchical(ctx.group(), {.ranks_per_node = 2}); });
+    // The parent is still usable.
+    std::vector<float> x(3, 1.0f);
+    ctx.group().all_reduce(dp::view(x)).wait();
+    if (x != std::vector<float>(3, 5.0f)) what[static_cast<std::size_t>(ctx.rank())] += " (parent broken)";
+  });
+  for (int r = 0; r < 5; ++r) {
+    INFO(what[static_cast<std::size_t>(r)]);
+    CHECK(what[static_cast<std::size_t>(r)] ==
+          "invalid_argument: dparallel: make_hierarchical on rank " + std::to_string(r) +
+              ": expected every node to have the same number of ranks, found node 0 with 2 (parent ranks [0, 1]) "
+              "and node 2 with 1 (parent ranks [4]); launch as many ranks on every node, or set "
+              "hierarchical_options (node_id, ranks_per_node) or DPARALLEL_RANKS_PER_NODE so that every node gets "
+              "the same number");
+  }
+}
