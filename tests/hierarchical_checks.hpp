@@ -98,7 +98,7 @@ class ordered_reference {
   dp::work sum(dp::tensor_ref t, dp::reduce_op op) {
     auto x = t.as<T>();
     std::vector<T> all(x.size() * static_cast<std::size_t>(size()));
-    parent_.all_gather(dp::view(all), t).wait();
+    parent_.all_gather(dp::tensor_ref(all.data(), all.size(), t.dtype(), t.device()), t).wait();  // t's device
     auto const of = [&](int j) {
       auto const b = all.begin() + static_cast<std::ptrdiff_t>(x.size() * static_cast<std::size_t>(j));
       return std::vector<T>(b, b + static_cast<std::ptrdiff_t>(x.size()));

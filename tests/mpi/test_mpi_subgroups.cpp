@@ -2,7 +2,12 @@
 // tests/subgroup_checks.hpp over the MPI path (options::shared_memory = false: MPI_Comm_split)
 // and over the shared-memory switch; a failure inside a subgroup named in both numberings while
 // the other subgroup goes on; DDP over a subgroup bitwise equal to DDP over thread ranks.
+// Hierarchical groups over MPI ("[hierarchical]", mpirun -np 4): 2 nodes x 2 ranks on one machine
+// through DPARALLEL_RANKS_PER_NODE, against tests/hierarchical_checks.hpp's references.
+#include "../hierarchical_checks.hpp"
 #include "../subgroup_checks.hpp"
+
+#include <dparallel/comm/hierarchical.hpp>
 
 #include <dparallel/comm/mpi.hpp>
 #include <dparallel/dparallel.hpp>
@@ -11,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -57,6 +63,22 @@ TEST_CASE("mpi subgroups: DDP over a subgroup equals DDP over thread ranks; a fa
                         std::to_string(n - 1) + ", 0]") != std::string::npos);
       }
     }
+    parent.barrier().wait();
+  }
+}
+
+TEST_CASE("mpi hierarchical: 2 nodes x 2 ranks (DPARALLEL_RANKS_PER_NODE) equal the documented-order reference",
+          "[hierarchical]") {
+  for (bool shm : {false, true}) {
+    auto const parent = dpl::mpi::make_group(MPI_COMM_WORLD, 60s, {.shared_memory = shm});
+    REQUIRE(parent.size() % 2 == 0);
+    ::setenv("DPARALLEL_RANKS_PER_NODE", "2", 1);  // every process sets it: the override of the node identity
+    auto const h = dpl::make_hierarchical(parent);
+    ::unsetenv("DPARALLEL_RANKS_PER_NODE");
+    auto const nodes = hierarchical_checks::consecutive(parent.size(), 2);
+    INFO("shared_memory = " << shm << ", rank " << parent.rank());
+    CHECK(hierarchical_checks::check_all_reduce(h, nodes, parent.rank()) == "");
+    CHECK(hierarchical_checks::check_ddp(h, parent, nodes) == "");
     parent.barrier().wait();
   }
 }
