@@ -10,6 +10,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -114,5 +115,28 @@ TEST_CASE("hierarchical: nodes of different sizes fail alike on every rank", "[h
               "and node 2 with 1 (parent ranks [4]); launch as many ranks on every node, or set "
               "hierarchical_options (node_id, ranks_per_node) or DPARALLEL_RANKS_PER_NODE so that every node gets "
               "the same number");
+  }
+}
+
+TEST_CASE("hierarchical: an abort on one rank fails every rank's all_reduce, naming the cause", "[host][comm]") {
+  std::vector<std::string> what(4);
+  dp::spawn(4, [&](dp::rank_context& ctx) {
+    auto h = dp::make_hierarchical(ctx.group(), {.ranks_per_node = 2});
+    h.set_timeout(std::chrono::seconds(20));  // a rank that waited this long would report a timeout, not the abort
+    if (ctx.rank() == 3) {
+      h.abort("stop");
+      return;
+    }
+    std::vector<float> x(1001, 1.0f);
+    try {
+      h.all_reduce(dp::view(x)).wait();
+      what[static_cast<std::size_t>(ctx.rank())] = "no failure";
+    } catch (dp::comm_error const& e) {
+      what[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    INFO("rank " << r << ": " << what[static_cast<std::size_t>(r)]);
+    CHECK(what[static_cast<std::size_t>(r)].find("stop") != std::string::npos);
   }
 }

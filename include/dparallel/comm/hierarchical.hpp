@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -180,7 +181,14 @@ class hierarchical_communicator {
     } catch (...) {
       // A failed step fails this rank's other groups too, so that every rank fails within the
       // timeout (a peer in another node would otherwise wait for this rank's next step).
-      abort_all("a step of its hierarchical all_reduce failed");
+      std::string cause = "unknown error";
+      try {
+        throw;
+      } catch (std::exception const& e) {
+        cause = e.what();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the cause stays unknown
+      }
+      abort_all("a step of its hierarchical all_reduce failed: " + cause);
       node_.drain();  // the buffers must outlive every step
       cross_.drain();
       throw;
