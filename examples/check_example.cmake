@@ -194,7 +194,18 @@ foreach(key IN LISTS early_keys)
          "${single_${key}_text} (single): ${other} no longer computes the one-device gradient to the bit")
   endif()
 endforeach()
-foreach(key param_sum param_l2 early_param_sum early_param_l2)
+# Within 10^-REL_TOL_DIGITS relative. Without EARLY_BITWISE (the GPU runs, whose shard gradients
+# round differently from the whole batch's) the trained param_sum is reported, not checked: a sum
+# of ~400k parameters of both signs is a hundred times smaller than sqrt(N) times their norm, so
+# the rounding differences that grow over an epoch of SGD move it far more, relatively, than the
+# norm or the loss, which are checked instead; the early parameters show the gradient is the same.
+set(close_keys param_sum param_l2 early_param_sum early_param_l2)
+if(NOT EARLY_BITWISE)
+  set(close_keys param_l2 train_loss early_param_sum early_param_l2)
+  relative_close("${single_param_sum}" "${dp_param_sum}" ${REL_TOL_DIGITS} ok rel_param_sum)
+  set(sum_note " (reported, not checked)")
+endif()
+foreach(key IN LISTS close_keys)
   relative_close("${single_${key}}" "${dp_${key}}" ${REL_TOL_DIGITS} ok rel_${key})
   if(NOT ok)
     fail("expected ${other}'s ${key} to equal single's within 1e-${REL_TOL_DIGITS} relative, found "
@@ -221,7 +232,7 @@ message("example_check: ${other}:    after ${dp_early_steps} steps  param_sum ${
         "param_l2 ${dp_early_param_l2_text}")
 message("example_check: ${other} vs single, relative differences (checked within 1e-${REL_TOL_DIGITS}): after "
         "${single_early_steps} steps param_sum ${rel_early_param_sum}, param_l2 ${rel_early_param_l2}; "
-        "trained param_sum ${rel_param_sum}, param_l2 ${rel_param_l2}")
+        "trained param_sum ${rel_param_sum}${sum_note}, param_l2 ${rel_param_l2}")
 message("example_check: ${other} throughput is ${ratio}% of single's (on a loaded machine this ratio means little)")
 
 if(failures)

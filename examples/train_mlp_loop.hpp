@@ -133,7 +133,7 @@ auto with_rule(config const& cfg, With&& with) {
 /// from the same reduced gradients, so the replicas stay identical), after clipping the gradients.
 inline updater make_update(config const& cfg, mlp& m) {
   if (cfg.optimizer == "sgd" && cfg.weight_decay <= 0 && cfg.clip_grad_norm == 0)
-    return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}};
+    return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}, {}, {}};
   namespace optim = dparallel::optim;
   return with_rule(cfg, [&m, clip = cfg.clip_grad_norm](auto rule) -> updater {
     auto opt = std::make_shared<optim::optimizer<decltype(rule)>>(m, rule);
@@ -141,6 +141,8 @@ inline updater make_update(config const& cfg, mlp& m) {
                 if (clip > 0) optim::clip_grad_norm(m, clip);
                 opt->step(m, lr);
               },
+              {},
+              {},
               {}};
     if (opt->slots_kept() != 0) u.add_state = [&m, opt](dparallel::checkpoint& ck) { optim::add_to(ck, *opt, m); };
     return u;
@@ -219,7 +221,7 @@ struct gpu_master {
 inline void sgd(gpu_master& m, float lr) { m.run->sgd(lr); }
 /// --backend cuda: plain SGD on the GPU (the command line refuses the other optimizers there).
 inline updater make_update(config const&, gpu_master& m) {
-  return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}};
+  return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}, {}, {}};
 }
 inline void load_optimizer_state(config const&, updater const&, gpu_master&) {}
 inline mlp& host_model(gpu_master& m) {

@@ -436,18 +436,30 @@ TEST_CASE("CUDA loader stage: batches reach the GPU through pinned memory in ord
     for (std::size_t i : idx) b.push_back(static_cast<float>(i) * 0.5f);
     return b;
   };
+  auto const want = [&](std::size_t k) {
+    return make(std::span<std::size_t const>(order).subspan(k * 6, std::min<std::size_t>(6, order.size() - k * 6)));
+  };
   for (std::size_t workers : {std::size_t{0}, std::size_t{2}}) {
-    dpl::loader batches(order, 6, make, {.num_workers = workers},
-                        dpl::cuda::to_device{dpl::device{dpl::device_kind::cuda, 0, 0}});
-    std::size_t k = 0;
-    for (auto& b : batches) {
-      busy(nullptr, 10);
-      auto const want = make(std::span<std::size_t const>(order).subspan(k * 6, std::min<std::size_t>(6, order.size() - k * 6)));
-      CHECK(b.view().device() == dpl::device{dpl::device_kind::cuda, 0, 0});
-      CHECK(download(b.data) == want);
-      ++k;
+    INFO(workers << " workers");
+    std::vector<dpl::cuda::device_batch<float>> kept;
+    {
+      dpl::loader batches(order, 6, make, {.num_workers = workers},
+                          dpl::cuda::to_device{dpl::device{dpl::device_kind::cuda, 0, 0}});
+      std::size_t k = 0;
+      for (auto& b : batches) {
+        busy(nullptr, 10);
+        CHECK(b.view().device() == dpl::device{dpl::device_kind::cuda, 0, 0});
+        CHECK(download(b.data) == want(k));
+        kept.push_back(std::move(b));
+        ++k;
+      }
+      CHECK(k == batches.size());
     }
-    CHECK(k == batches.size());
+    // The loader and its workers (and their copy streams) are gone: the batches are still whole,
+    // and freeing them is safe (it once used a destroyed stream: a crash on the first GPU run).
+    for (std::size_t k = 0; k < kept.size(); ++k) CHECK(download(kept[k].data) == want(k));
+    kept.clear();
+    dpl::cuda::check(cudaDeviceSynchronize(), "loader test");
   }
 }
 

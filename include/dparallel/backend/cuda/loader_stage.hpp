@@ -74,6 +74,10 @@ struct to_device {
     // The staging buffer is reused for this worker's next batch, and the batch must be complete
     // when it is handed out: wait here, on the worker.
     check(cudaStreamSynchronize(w.stream), "cudaStreamSynchronize", dev);
+    // The copy stream is the worker's (thread_local) and is destroyed when the worker thread ends,
+    // which can be before the training loop frees this batch: the batch is freed on the legacy
+    // default stream instead, which lives as long as the GPU's context. Its allocation is complete.
+    out.data.free_on(nullptr);
     return out;
   }
 

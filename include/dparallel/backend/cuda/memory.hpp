@@ -101,6 +101,10 @@ class device_buffer {
   [[nodiscard]] tensor_view<T> view() const noexcept { return tensor_view<T>(data_, size_, dev_); }
   /// A view of the whole buffer holding `rows` samples.
   [[nodiscard]] tensor_view<T> view(std::size_t rows) const { return tensor_view<T>(data_, size_, rows, dev_); }
+  /// Frees the memory, when the buffer goes, in the order of `s` rather than of the stream it was
+  /// allocated on: for a buffer that outlives that stream (cudaFreeAsync on a destroyed stream is
+  /// undefined). The caller orders `s` after the allocation and after the work that uses the buffer.
+  void free_on(cudaStream_t s) noexcept { stream_ = s; }
 
  private:
   void release() noexcept {

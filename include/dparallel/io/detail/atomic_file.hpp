@@ -168,7 +168,10 @@ inline void write_file_atomically(std::filesystem::path const& target, std::func
   if (replacing) {
     // Owner first (it may clear set-id bits), then the mode; both best effort: an unprivileged
     // process cannot give a file away, and then the new file is its own.
-    if (::fchown(fd, old.st_uid, old.st_gid) != 0) (void)::fchown(fd, static_cast<uid_t>(-1), old.st_gid);
+    // (glibc marks fchown warn_unused_result, which a cast to void does not silence in GCC.)
+    if (::fchown(fd, old.st_uid, old.st_gid) != 0 && ::fchown(fd, static_cast<uid_t>(-1), old.st_gid) != 0) {
+      // neither: the new file keeps this process's owner and group
+    }
     (void)::fchmod(fd, old.st_mode & 07777);
   }
   f = ::fdopen(fd, "wb");
