@@ -4,11 +4,13 @@
 //   - optimizer-state bytes per rank (DDP: the whole state on every rank; ZeRO-1: about 1/N);
 //   - heap allocations (operator new, every thread of the process) per steady-state step, and
 //     the bytes of bucket and state memory allocated after the first step;
-//   - step time (wrapper step + optimizer step), DDP and ZeRO-1 interleaved round by round on the
-//     same ranks, the median over rounds, and their ratio.
-// The step function is synthetic and memory-bound (one pass that writes each gradient from its
-// parameter, marking it ready, last tensor first): the collectives and the update dominate, the
-// case where ZeRO-1's all-gather after the update is least hidden.
+//   - step time (wrapper step + optimizer step), DDP, ZeRO-1 and ZeRO-1 with its all-gathers
+//     overlapping the next forward (zero_options::overlap_gather) interleaved round by round on
+//     the same ranks, the median over rounds, and their ratios to DDP.
+// The step function is synthetic and memory-bound (a "forward" that reads every 16th element of
+// each tensor, first to last, after opt.need(p) in the overlap mode; then one pass that writes each
+// gradient from its parameter, marking it ready, last tensor first): the collectives and the
+// update dominate, the case where ZeRO-1's all-gather after the update is least hidden.
 #include "bench_util.hpp"
 
 #include <dparallel/dparallel.hpp>
@@ -80,6 +82,17 @@ struct big_model {
   }
   auto parameters() { return views_of(w); }
   auto gradients() { return views_of(g); }
+  float sink = 0;
+  /// "Forward": reads every tensor, first to last, once need(p) returned.
+  template <class Need>
+  void forward(Need need) {
+    float s = 0;
+    for (std::size_t p = 0; p < tensors; ++p) {
+      need(p);
+      for (std::size_t i = 0; i < w[p].size(); i += 16) s += w[p][i];
+    }
+    sink = s;
+  }
   /// "Backward": g = 0.01 * w + x, last tensor first, each marked ready when written.
   void backward(float x, dpl::step_context& ctx) {
     for (std::size_t p = tensors; p-- > 0;) {
@@ -93,23 +106,31 @@ struct result {
   std::size_t ddp_state = 0, zero_state = 0;
   double ddp_news = 0, zero_news = 0;  // per steady-state step, every thread
   double ddp_bytes = 0, zero_bytes = 0;  // the bytes those allocations asked for
-  double ddp_step = 0, zero_step = 0;  // median seconds
+  double ddp_step = 0, zero_step = 0, overlap_step = 0;  // median seconds
   bool same = false;                   // parameters bitwise equal after the run
 };
 
 result run(int world, std::size_t per, int rounds, int steps) {
   result res;
-  std::vector<double> ddp_t, zero_t;
+  std::vector<double> ddp_t, zero_t, overlap_t;
   std::uint64_t ddp_news = 0, zero_news = 0, ddp_bytes = 0, zero_bytes = 0;
   std::vector<char> same(static_cast<std::size_t>(world), 0);
   dpl::spawn(world, [&](dpl::rank_context& rank) {
-    big_model a(per), b(per);
+    big_model a(per), b(per), c(per);
     dpl::distributed_data_parallel<big_model> ddp(a, rank);
-    dpl::parallel<big_model, dpl::ddp_zero1> zero(b, rank);
+    dpl::parallel<big_model, dpl::ddp_zero1> zero(b, rank), overlap(c, rank);
     dpl::optim::optimizer ddp_opt(ddp, dpl::optim::adam{});  // DDP: the whole state on every rank
     dpl::zero_redundancy_optimizer zero_opt(zero, dpl::optim::adam{});
+    dpl::zero_redundancy_optimizer overlap_opt(overlap, dpl::optim::adam{}, {.overlap_gather = true});
     std::vector<float> const batch{static_cast<float>(rank.rank() + 1) * 1e-3f};
-    auto fn = [](big_model& m, std::span<float const> x, dpl::step_context& ctx) { m.backward(x[0], ctx); };
+    auto fn = [](big_model& m, std::span<float const> x, dpl::step_context& ctx) {
+      m.forward([](std::size_t) {});
+      m.backward(x[0], ctx);
+    };
+    auto overlap_fn = [&](big_model& m, std::span<float const> x, dpl::step_context& ctx) {
+      m.forward([&](std::size_t p) { overlap_opt.need(p); });
+      m.backward(x[0], ctx);
+    };
     auto const ddp_step = [&] {
       ddp.step(batch, fn);
       ddp_opt.step(ddp, 1e-3);
@@ -118,32 +139,41 @@ result run(int world, std::size_t per, int rounds, int steps) {
       zero.step(batch, fn);
       zero_opt.step(1e-3);
     };
+    auto const overlap_step = [&] {
+      overlap.step(batch, overlap_fn);
+      overlap_opt.step(1e-3);
+    };
     for (int k = 0; k < 2; ++k) {  // warm-up: the bucket rebuild, the state, the first-touch pages
       ddp_step();
       zero_step();
+      overlap_step();
     }
     for (int r = 0; r < rounds; ++r) {
-      for (int mode = 0; mode < 2; ++mode) {
+      for (int mode = 0; mode < 3; ++mode) {
         rank.group().barrier().wait();
         std::uint64_t const n0 = g_news.load(), b0 = g_new_bytes.load();
         auto const t0 = bench::clock::now();
         for (int k = 0; k < steps; ++k) {
           if (mode == 0) ddp_step();
-          else zero_step();
+          else if (mode == 1) zero_step();
+          else overlap_step();
         }
         double const dt = bench::seconds_since(t0) / steps;
         std::uint64_t const news = g_news.load() - n0;  // every rank's threads: counted on rank 0
         std::uint64_t const bytes = g_new_bytes.load() - b0;
         rank.group().barrier().wait();
         if (rank.rank() == 0) {
-          (mode == 0 ? ddp_t : zero_t).push_back(dt);
-          (mode == 0 ? ddp_news : zero_news) += news;
-          (mode == 0 ? ddp_bytes : zero_bytes) += bytes;
+          (mode == 0 ? ddp_t : mode == 1 ? zero_t : overlap_t).push_back(dt);
+          if (mode < 2) {
+            (mode == 0 ? ddp_news : zero_news) += news;
+            (mode == 0 ? ddp_bytes : zero_bytes) += bytes;
+          }
         }
       }
     }
+    overlap_opt.wait_gathers();
     bool eq = true;
-    for (std::size_t p = 0; p < tensors; ++p) eq = eq && a.w[p] == b.w[p];
+    for (std::size_t p = 0; p < tensors; ++p) eq = eq && a.w[p] == b.w[p] && a.w[p] == c.w[p];
     same[static_cast<std::size_t>(rank.rank())] = eq ? 1 : 0;
     if (rank.rank() == 0) {
       res.ddp_state = ddp_opt.state_bytes();
@@ -157,6 +187,7 @@ result run(int world, std::size_t per, int rounds, int steps) {
   res.zero_bytes = static_cast<double>(zero_bytes) / counted;
   res.ddp_step = bench::median(ddp_t);
   res.zero_step = bench::median(zero_t);
+  res.overlap_step = bench::median(overlap_t);
   res.same = true;
   for (char c : same) res.same = res.same && c != 0;
   return res;
@@ -176,7 +207,8 @@ int main(int argc, char** argv) {
   std::printf("ZeRO-1 vs DDP, Adam (2 state slots), %zu tensors x %zu = %zu parameters; %s\n", tensors, per,
               tensors * per, bench::load_note().c_str());
   bench::table t({"ranks", "ddp_state_MiB_per_rank", "zero1_state_MiB_per_rank", "state_ratio", "ddp_news_per_step",
-                  "zero1_news_per_step", "ddp_new_bytes_per_step", "zero1_new_bytes_per_step", "ddp_step_ms", "zero1_step_ms", "step_time_ratio", "bitwise_equal"});
+                  "zero1_news_per_step", "ddp_new_bytes_per_step", "zero1_new_bytes_per_step", "ddp_step_ms", "zero1_step_ms", "step_time_ratio",
+                  "zero1_overlap_step_ms", "overlap_step_time_ratio", "bitwise_equal"});
   for (double r : ranks) {
     int const world = static_cast<int>(r);
     auto const x = run(world, per, rounds, steps);
@@ -187,6 +219,7 @@ int main(int argc, char** argv) {
            bench::fmt("%.1f", x.ddp_news), bench::fmt("%.1f", x.zero_news), bench::fmt("%.0f", x.ddp_bytes),
            bench::fmt("%.0f", x.zero_bytes), bench::fmt("%.2f", x.ddp_step * 1e3),
            bench::fmt("%.2f", x.zero_step * 1e3), bench::fmt("%.3f", x.zero_step / x.ddp_step),
+           bench::fmt("%.2f", x.overlap_step * 1e3), bench::fmt("%.3f", x.overlap_step / x.ddp_step),
            x.same ? "yes" : "NO"});
   }
   t.print();

@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <memory>
@@ -260,4 +261,51 @@ TEST_CASE("ZeRO-1 refuses gradient_as_bucket_view and parameters that are not f3
     dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
   });
   for (auto const& s : f64) CHECK_THAT(s, Catch::Contains("parameter 0 is F64, expected F32"));
+}
+
+TEST_CASE("ZeRO-1 with overlap_gather: the gathers run on into the next step, and with need() the parameters are "
+          "bitwise those of the waiting step",
+          "[host][zero][overlap][contract]") {
+  for (int world = 1; world <= 4; ++world) {
+    for (bool tiny : {false, true}) {
+      for (bool hook : {false, true}) {
+        INFO("world " << world << ", tiny buckets " << tiny << ", grad_ready " << hook);
+        auto const want = run_all(world, true, hook, tiny);
+        std::vector<test::overlap_run> got(static_cast<std::size_t>(world));
+        dpl::spawn(world, [&](dpl::rank_context& rank) {
+          got[static_cast<std::size_t>(rank.rank())] = test::train_overlap(rank.group(), hook, tiny);
+        });
+        for (int r = 0; r < world; ++r) {
+          auto const& g = got[static_cast<std::size_t>(r)];
+          CHECK(g.params == want[static_cast<std::size_t>(r)].params);  // every forward read the updated values
+          CHECK(g.params == want[0].params);
+          // After every update the gathers are still pending (one per bucket), until the next step's need().
+          CHECK(g.pending.front() >= 1);
+          CHECK(std::count(g.pending.begin(), g.pending.end(), g.pending.front()) == 20);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("ZeRO-1 with overlap_gather: a step that reads parameters without need() fails on every rank, naming "
+          "them; need() refuses an index out of range",
+          "[host][zero][overlap][error]") {
+  for (bool hook : {false, true}) {
+    INFO("grad_ready " << hook);
+    auto const errors = errors_of(2, [hook](dpl::rank_context& rank) { (void)test::train_overlap(rank.group(), hook, false, true); });
+    for (int r = 0; r < 2; ++r) {
+      CHECK_THAT(errors[static_cast<std::size_t>(r)],
+                 Catch::Contains("zero_redundancy_optimizer with overlap_gather on rank " + std::to_string(r)) &&
+                     Catch::Contains("before their all-gather was waited for") &&
+                     Catch::Contains("call opt.need(i) in the step function"));
+    }
+  }
+  auto const range = errors_of(2, [](dpl::rank_context& rank) {
+    model m(test::zero_sizes());
+    dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
+    dpl::zero_redundancy_optimizer opt(w, test::adam_like{}, {.overlap_gather = true});
+    opt.need(test::zero_sizes().size());
+  });
+  for (auto const& s : range) CHECK_THAT(s, Catch::Contains("expected a parameter index below 6, found 6"));
 }

@@ -2,7 +2,7 @@
 // ZeRO-1 against DDP: one training run of either on any process group, with an update rule
 // applied to whole tensors under DDP (optim::optimizer) and to each rank's shard of the buckets
 // under ZeRO-1 (zero_redundancy_optimizer): the test's own (Adam's arithmetic) or the library's. Shared by tests/test_zero.cpp (thread ranks)
-// and tests/mpi/test_mpi_zero.cpp (MPI processes).
+// and tests/mpi/test_mpi_zero.cpp (MPI processes); so is train_overlap (zero_options::overlap_gather).
 #include "models.hpp"
 
 #include <dparallel/dparallel.hpp>
@@ -106,6 +106,35 @@ zero_run train_zero_or_ddp(dparallel::process_group const& group, bool zero, boo
     dparallel::optim::optimizer opt(w, rule);
     train(w, opt);
   }
+  out.params = flat(m, false);
+  return out;
+}
+
+/// 20 steps of ZeRO-1 with zero_options::overlap_gather on this rank: the step function calls
+/// opt.need(i) for every parameter (in forward order) unless `skip_need`; the parameters after a
+/// last wait_gathers(), and the gathers pending after each update.
+struct overlap_run {
+  std::vector<double> params;
+  std::vector<std::size_t> pending;
+};
+inline overlap_run train_overlap(dparallel::process_group const& group, bool hook, bool tiny, bool skip_need = false) {
+  int const world = group.size(), rank = group.rank();
+  chunked<float> m(zero_sizes(), static_cast<std::uint64_t>(7 + rank));
+  dparallel::parallel<chunked<float>, dparallel::ddp_zero1> w(m, group, tiny ? zero_tiny_buckets() : dparallel::options{});
+  dparallel::zero_redundancy_optimizer opt(w, adam_like{}, {.overlap_gather = true});
+  overlap_run out;
+  auto const fn = [&](chunked<float>& r, samples<float> s, dparallel::step_context& ctx) {
+    if (!skip_need)
+      for (std::size_t i = 0; i < zero_sizes().size(); ++i) opt.need(i);
+    return hook ? r.forward_backward(s, &ctx) : r.forward_backward(s);
+  };
+  for (int k = 0; k < 20; ++k) {
+    auto const d = dataset<float>::make(4 * static_cast<std::size_t>(world), m.dim, static_cast<std::uint64_t>(k + 1), false);
+    w.step(dparallel::slice_batch(d.all(), static_cast<std::size_t>(rank) * 4, static_cast<std::size_t>(rank + 1) * 4), fn);
+    opt.step(w, 0.01);
+    out.pending.push_back(opt.pending_gathers());
+  }
+  opt.wait_gathers();
   out.params = flat(m, false);
   return out;
 }

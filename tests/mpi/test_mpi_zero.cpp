@@ -1,7 +1,8 @@
 // ZeRO stage 1 over MPI processes (mpirun -np 2|3 test_mpi_zero): the parameters after 20 steps
 // of ddp_zero1 + zero_redundancy_optimizer are bitwise those of DDP with the same rule, over the
 // same MPI group and over thread ranks of the host communicator (the reference runs in each
-// process through dparallel::spawn), on every rank; each rank holds its share of the state.
+// process through dparallel::spawn), on every rank, also with the all-gathers overlapping the next
+// forward (zero_options::overlap_gather); each rank holds its share of the state.
 #include "../test_zero_common.hpp"
 
 #include <dparallel/comm/host.hpp>
@@ -34,6 +35,9 @@ TEST_CASE("mpi: ZeRO-1 over N processes gives bitwise the parameters of DDP with
       CHECK(ddp.params == ref[0].params);   // MPI DDP = thread-rank DDP (rank-order reductions)
       CHECK(zero.params == ref[0].params);  // ZeRO-1 = DDP, bitwise
       CHECK(zero.hashes == ddp.hashes);     // after every step
+      auto const overlap = test::train_overlap(g, hook, tiny);  // gathers running on into the next forward
+      CHECK(overlap.params == ref[0].params);
+      CHECK(overlap.pending.front() >= 1);
       CHECK(zero.state_bytes == zero.expected_state_bytes);
       // The shards of all ranks cover every parameter element once.
       std::vector<std::int64_t> mine{static_cast<std::int64_t>(zero.valid_elements)};

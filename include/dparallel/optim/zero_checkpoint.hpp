@@ -80,6 +80,7 @@ enum class zero_save_mode {
 template <update_rule R, class W>
 void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimizer<R, W>& opt, zero_save_mode mode) {
   using access = detail::zero_state_access;
+  opt.wait_gathers();  // zero_options::overlap_gather: no gather left in flight under the collectives below
   auto& w = access::wrapper(opt);
   auto& group = w.group();
   int const rank = group.rank(), world = group.size();
@@ -156,6 +157,7 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
 template <update_rule R, class W>
 void load_zero_state(std::filesystem::path const& path, zero_redundancy_optimizer<R, W>& opt) {
   using access = detail::zero_state_access;
+  opt.wait_gathers();
   auto& group = access::wrapper(opt).group();
   std::string const rank = std::to_string(group.rank());
   auto const l = detail::layout_of(opt);

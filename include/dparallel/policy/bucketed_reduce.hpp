@@ -358,6 +358,7 @@ class bucketed_reduce {
       weigh<ops>(grad, s.join.scale);
       if (--pending_[b] == 0) launch_ready(s);
     } else {
+      if constexpr (sharded) static_cast<Sharded&>(*this).before_stage(b, unused);
       tensor_ref const dst = view_in(storage_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
       if (accumulated_ == 0) {
         if (unused) ops::zero(dst);

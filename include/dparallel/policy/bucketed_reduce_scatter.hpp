@@ -15,8 +15,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -40,7 +42,10 @@ namespace policy {
 ///   MPI engines: the same bits), while backward goes on; the model's gradients are then left as
 ///   this rank's step function computed them (not averaged).
 /// - The bucket storage is free between steps: zero_redundancy_optimizer all-gathers the
-///   updated parameters through it.
+///   updated parameters through it. Where those all-gathers run on into the next step
+///   (zero_options::overlap_gather), the optimizer sets a stage guard: it is called before a
+///   gradient is first written into a bucket's storage, and completes (or refuses) that bucket's
+///   gather first.
 ///
 /// Memory per rank: DDP's bucket storage (plus padding: fewer than N elements per bucket) and
 /// one gradient shard per bucket (1/N of the parameters). gradient_as_bucket_view is refused
@@ -107,6 +112,10 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   [[nodiscard]] std::uint64_t reductions() const noexcept { return reductions_; }
   /// Bumped by every bucket plan (at construction, and once by the rebuild after the first step).
   [[nodiscard]] std::uint64_t plan_generation() const noexcept { return plans_; }
+  /// Called with (bucket, unused) before a synchronised step writes a gradient into the bucket's
+  /// storage (unused: the parameter took no part in the step); empty: nothing to check. Set by
+  /// zero_redundancy_optimizer while its all-gathers may still be in flight.
+  void set_stage_guard(std::function<void(std::size_t, bool)> guard) { guard_ = std::move(guard); }
   /// Bytes of gradient-shard storage this rank holds.
   [[nodiscard]] std::size_t grad_shard_bytes() const noexcept {
     std::size_t n = 0;
@@ -143,6 +152,10 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
 
   [[nodiscard]] bool scattering() const noexcept { return scatter_now_; }
 
+  void before_stage(std::size_t b, bool unused) {
+    if (guard_) guard_(b, unused);
+  }
+
   // After a synchronised step (and the rebuild): when it all-reduced, the model holds the
   // averaged gradients; copy this rank's shards of them.
   template <class Set>
@@ -172,6 +185,7 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   bool scatter_now_ = false;  // this step reduce-scatters (the plan was rebuilt before it)
   std::uint64_t reductions_ = 0;
   std::uint64_t plans_ = 0;
+  std::function<void(std::size_t, bool)> guard_;  // set_stage_guard
 };
 
 }  // namespace policy

@@ -7,6 +7,10 @@
 //   dparallel::zero_redundancy_optimizer opt(w, my_rule{});        // any optim::update_rule
 //   for (...) { w.step(batch, step_fn); opt.step(lr); }
 //
+// With zero_options{.overlap_gather = true} step() returns once the all-gathers are started, and
+// they run on into the next step's forward: the step function calls opt.need(i) before it reads
+// parameter i (docs/zero.md, "Overlapping the all-gather with the next forward").
+//
 // On the CUDA backend (NCCL engine) the same code runs with the CUDA optimizer kernels: include
 // <dparallel/backend/cuda/optim_kernels.hpp> (nvcc) first. The shard copies and the update run
 // on one stream (optim::backend_kernels<cuda::backend>: the calling thread's, the legacy default
@@ -46,6 +50,16 @@ namespace optim::detail {
 struct zero_state_access;  // optim/zero_checkpoint.hpp: saves and restores the sharded state
 }  // namespace optim::detail
 
+/// Options of zero_redundancy_optimizer.
+struct zero_options {
+  /// step() starts the all-gathers of the updated parameters and returns; each bucket's gather is
+  /// completed (and its parameters written) by need(i) for any parameter i of the bucket, by
+  /// wait_gathers(), or by the next step(). The step function must call need(i) before it reads
+  /// parameter i: a synchronised step that writes the gradient of a used parameter whose bucket
+  /// was not waited for fails on every rank (the forward read stale values), naming it.
+  bool overlap_gather = false;
+};
+
 /// ZeRO stage 1 over a wrapper whose reduce policy is policy::bucketed_reduce_scatter (the
 /// ddp_zero1 bundle): the optimizer state is sharded like the gradient buckets, so each rank
 /// holds 1/N of it (plus at most N - 1 elements of padding per bucket and slot).
@@ -55,8 +69,9 @@ struct zero_state_access;  // optim/zero_checkpoint.hpp: saves and restores the 
 /// rank's averaged gradient shard and state shard, and an all-gather of the bucket's storage is
 /// started; then, bucket by bucket as the all-gathers complete, every parameter is copied back
 /// from the storage. The update of a bucket overlaps the all-gathers of the buckets before it;
-/// step() returns when every parameter is updated (the gathers do not yet overlap the next
-/// forward).
+/// step() returns when every parameter is updated, or, with zero_options::overlap_gather, once
+/// every gather is started (buckets in reverse, so that the first layers' parameters, which the
+/// forward reads first, are gathered first): the gathers then overlap the next forward.
 ///
 /// The rule is elementwise (optim::update_rule), so the parameters are bitwise those of DDP with
 /// the same rule applied to whole tensors, on the host and MPI engines (same reduction order), and
@@ -88,8 +103,10 @@ class zero_redundancy_optimizer {
 
   /// Over the parameters of `w` (by reference: it must outlive the optimizer), with `rule`.
   /// Throws invalid_argument naming the rank and parameter when a parameter is not f32.
-  explicit zero_redundancy_optimizer(Wrapper& w, Rule rule = Rule{}) : w_(&w), rule_(std::move(rule)) {
+  explicit zero_redundancy_optimizer(Wrapper& w, Rule rule = Rule{}, zero_options opts = {})
+      : w_(&w), rule_(std::move(rule)), opts_(opts) {
     auto const params = parameter_refs(w.module());
+    param_count_ = params.size();
     for (std::size_t i = 0; i < params.size(); ++i) {
       detail::require(params[i].dtype() == dtype::f32,
                       "zero_redundancy_optimizer on rank " + std::to_string(w.group().rank()) + ": parameter " +
@@ -100,6 +117,37 @@ class zero_redundancy_optimizer {
 
   zero_redundancy_optimizer(zero_redundancy_optimizer const&) = delete;
   zero_redundancy_optimizer& operator=(zero_redundancy_optimizer const&) = delete;
+  /// Waits for the all-gathers still in flight (they write into the wrapper's bucket storage).
+  ~zero_redundancy_optimizer() {
+    if (opts_.overlap_gather) w_->reducer().set_stage_guard(nullptr);
+    for (auto& wk : works_) {
+      try {
+        wk.wait();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a failed gather was the step's to report
+      }
+    }
+  }
+
+  /// Parameter `i` (in parameters(module()) order) holds its updated value: with
+  /// zero_options::overlap_gather, waits for the all-gather of its bucket and writes every
+  /// parameter of that bucket; otherwise (or when done already) returns at once. Call it in the
+  /// step function before the forward reads parameter `i`.
+  void need(std::size_t i) {
+    if (i >= param_count_)
+      throw invalid_argument("dparallel: zero_redundancy_optimizer::need: expected a parameter index below " +
+                             std::to_string(param_count_) + ", found " + std::to_string(i));
+    if (any_pending_) complete(bucket_of_[i]);
+  }
+  /// Every parameter holds its updated value (every gather still in flight completed): before
+  /// reading the parameters outside a step function (evaluation, a checkpoint, another optimizer).
+  void wait_gathers() {
+    if (!any_pending_) return;
+    for (std::size_t b = pending_.size(); b-- > 0;) complete(b);
+  }
+  /// Buckets whose all-gather step() started and nothing has waited for yet.
+  [[nodiscard]] std::size_t pending_gathers() const noexcept {
+    return static_cast<std::size_t>(std::count(pending_.begin(), pending_.end(), char{1}));
+  }
 
   /// One update with learning rate `lr` from the gradient shards of the wrapper's last
   /// synchronised step; every rank must call it (it all-gathers). Throws invalid_argument when
@@ -126,6 +174,7 @@ class zero_redundancy_optimizer {
       throw invalid_argument("dparallel: zero_redundancy_optimizer::step on rank " + std::to_string(rank) +
                              ": the wrapper's bucket plan changed after the optimizer state was laid out");
     auto const c = rule_.constants(steps_ + 1, lr);  // may refuse lr: nothing changed yet
+    wait_gathers();  // none after a synchronised step (its guard completed them); to be sure
     seen_reductions_ = r.reductions();
     if (!allocated_) allocate_state(r);
     ++steps_;
@@ -134,6 +183,15 @@ class zero_redundancy_optimizer {
     std::size_t const nb = r.buckets().size();
     works_.assign(nb, work{});
     try {
+      if (opts_.overlap_gather) {
+        for (std::size_t b = nb; b-- > 0;) {
+          update_bucket(r, b, c);
+          pending_[b] = 1;
+        }
+        any_pending_ = nb != 0;
+        kernels::finish(w_->devices()[0]);  // the updates, before another stream's gather reads them
+        return;
+      }
       for (std::size_t b = 0; b < nb; ++b) update_bucket(r, b, c);
       for (std::size_t b = 0; b < nb; ++b) {
         works_[b].wait();
@@ -195,8 +253,13 @@ class zero_redundancy_optimizer {
 
   [[nodiscard]] float* slot_data(std::size_t i) const { return reinterpret_cast<float*>(slots_.at(i).get()); }
 
-  void allocate_state(reducer_type const& r) {
+  void allocate_state(reducer_type& r) {
     bucket_count_ = r.buckets().size();
+    pending_.assign(bucket_count_, 0);
+    bucket_of_.assign(parameter_refs(w_->module()).size(), 0);
+    for (std::size_t b = 0; b < bucket_count_; ++b)
+      for (std::size_t i : r.buckets()[b].params) bucket_of_[i] = b;
+    if (opts_.overlap_gather) r.set_stage_guard([this](std::size_t b, bool unused) { staging(b, unused); });
     plan_ = r.plan_generation();
     state_elements_ = 0;
     slots_.clear();
@@ -237,6 +300,43 @@ class zero_redundancy_optimizer {
     works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));  // after the update: see step()
   }
 
+  // Bucket b's gather, if still pending: waited for, its parameters written.
+  void complete(std::size_t b) {
+    if (b >= pending_.size() || !pending_[b]) return;
+    pending_[b] = 0;
+    try {
+      works_[b].wait();
+      copy_back(w_->reducer(), b);
+      kernels::finish(w_->devices()[0]);
+    } catch (...) {
+      w_->group().abort("rank " + std::to_string(w_->group().rank()) +
+                        " failed completing a zero_redundancy_optimizer all-gather");
+      w_->group().drain();  // the other gathers write into the buckets' storage
+      throw;
+    }
+    any_pending_ = std::count(pending_.begin(), pending_.end(), char{1}) != 0;
+  }
+
+  // The stage guard (overlap_gather): a synchronised step is about to write a gradient into bucket
+  // b's storage. Its gather is completed first (the storage is the gather's output); a pending
+  // gather under a used parameter means the forward read that bucket's parameters before they
+  // were updated.
+  void staging(std::size_t b, bool unused) {
+    if (b >= pending_.size() || !pending_[b]) return;
+    wait_gathers();  // every bucket: the storage must be free before the step fails
+    if (unused) return;
+    auto const& ps = w_->reducer().buckets()[b].params;
+    std::string list;
+    for (std::size_t k = 0; k < ps.size() && k < 8; ++k) list += (k ? ", " : "") + std::to_string(ps[k]);
+    if (ps.size() > 8) list += ", ...";
+    throw invalid_argument("dparallel: zero_redundancy_optimizer with overlap_gather on rank " +
+                           std::to_string(w_->group().rank()) + ": the step used parameter(s) " + list + " (bucket " +
+                           std::to_string(b) +
+                           ") before their all-gather was waited for, so its forward read the values from before the "
+                           "last update; call opt.need(i) in the step function before reading parameter i (or "
+                           "opt.wait_gathers() before the step)");
+  }
+
   // Every parameter of bucket b from the gathered storage.
   void copy_back(reducer_type const& r, std::size_t b) {
     auto const& spec = r.buckets()[b];
@@ -249,6 +349,11 @@ class zero_redundancy_optimizer {
 
   Wrapper* w_;
   Rule rule_;
+  zero_options opts_;
+  std::vector<char> pending_;            // overlap_gather: bucket b's gather started, not yet waited for
+  bool any_pending_ = false;
+  std::size_t param_count_ = 0;
+  std::vector<std::size_t> bucket_of_;   // parameter -> bucket
   std::uint64_t steps_ = 0;
   std::uint64_t seen_reductions_ = 0;
   std::uint64_t plan_ = 0;
