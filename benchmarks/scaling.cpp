@@ -33,6 +33,8 @@
 #include "mlp.hpp"
 
 #include <dparallel/dparallel.hpp>
+#include <dparallel/optim/sgd.hpp>
+#include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #if DPARALLEL_BENCH_MPI
 #include <dparallel/comm/mpi.hpp>
 #endif
@@ -57,7 +59,8 @@ namespace {
 char const* const usage =
     "usage: scaling [--batches 128,512] [--devices 2] [--steps 200] [--warmup 20] [--reps 3]\n"
     "               [--modes single,dp,ddp] [--data DIR] [--csv FILE] [--mpi FILE]\n"
-    "  --modes    single, dp, ddp, whole, torch; single, dp and ddp may end in @N: passes of N samples\n"
+    "  --modes    single, dp, ddp, zero (ZeRO-1 over the ddp ranks), whole, torch; single, dp, ddp and zero\n"
+    "             may end in @N: passes of N samples\n"
     "  --batches  global batch sizes (default 128,512)\n"
     "  --devices  devices (dp) and thread ranks (ddp) (default 2)\n"
     "  --steps    timed steps per measurement, after --warmup untimed ones (default 200, 20)\n"
@@ -139,7 +142,10 @@ measurement run_dp(workload const& w, config const& c, std::size_t b, int device
 
 /// DDP over `ranks` thread ranks: rank r trains on rows [r b/ranks, (r+1) b/ranks) of each global
 /// batch; rank 0's clock runs from a barrier after the warm-up to one after the last step.
-measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks, std::size_t block) {
+/// DDP over `ranks` thread ranks (the example's SGD over each replica), or with `zero` ZeRO-1
+/// (ddp_zero1 + zero_redundancy_optimizer with optim::sgd: each rank updates its shard, the
+/// parameters all-gathered): the same arithmetic, so the same bits, and the same bytes moved.
+measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks, std::size_t block, bool zero = false) {
   std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
   std::barrier sync(ranks);
   measurement result;
@@ -147,22 +153,31 @@ measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks
   dp::spawn(ranks, [&](dp::rank_context& rank) {
     mlp model(c.seed);
     model.split.block = block;
-    dp::distributed_data_parallel<mlp> ddp(model, rank.group());
     auto const first = static_cast<std::size_t>(rank.rank()) * per_rank;
-    auto step = [&](std::size_t j) {
-      ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
-      sgd(ddp.module(), c.lr);
+    auto const run = [&](auto& wrapper, auto update) {
+      auto step = [&](std::size_t j) {
+        wrapper.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
+        update();
+      };
+      for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+      sync.arrive_and_wait();
+      if (rank.rank() == 0) cpu0 = process_cpu_seconds();
+      auto const t0 = bench::clock::now();
+      for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+      sync.arrive_and_wait();
+      if (rank.rank() == 0) {
+        double const wall = bench::seconds_since(t0);
+        auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
+        result = {samples / wall, (process_cpu_seconds() - cpu0) / samples};
+      }
     };
-    for (std::size_t j = 0; j < c.warmup; ++j) step(j);
-    sync.arrive_and_wait();
-    if (rank.rank() == 0) cpu0 = process_cpu_seconds();
-    auto const t0 = bench::clock::now();
-    for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
-    sync.arrive_and_wait();
-    if (rank.rank() == 0) {
-      double const wall = bench::seconds_since(t0);
-      auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
-      result = {samples / wall, (process_cpu_seconds() - cpu0) / samples};
+    if (zero) {
+      dp::parallel<mlp, dp::ddp_zero1> z(model, rank.group());
+      dp::zero_redundancy_optimizer opt(z, dp::optim::sgd());
+      run(z, [&] { opt.step(c.lr); });
+    } else {
+      dp::distributed_data_parallel<mlp> ddp(model, rank.group());
+      run(ddp, [&] { sgd(ddp.module(), c.lr); });
     }
   });
   return result;
@@ -278,6 +293,7 @@ int main(int argc, char** argv) {
         else if (m == "whole") v = run_single(w, c, b, 1, 0);
         else if (kind == "dp") v = run_dp(w, c, b, devices, block);
         else if (kind == "ddp") v = run_ddp(w, c, b, devices, block);
+        else if (kind == "zero") v = run_ddp(w, c, b, devices, block, true);
         else if (m == "torch" && !torch.empty()) v = run_torch(torch, dir, c, b);
         else {
           std::fprintf(stderr, "scaling: unknown mode '%s' (single, dp, ddp; torch with --torch)\n", m.c_str());
@@ -356,6 +372,15 @@ int main(int argc, char** argv) {
                              bench::fmt(" / torch (1 thread) = %.3f (samples/s), %.3f (CPU time per sample)",
                                         x.samples_per_s / th.samples_per_s,
                                         x.cpu_per_sample > 0 ? th.cpu_per_sample / x.cpu_per_sample : 0.0));
+    }
+    // ZeRO-1 against DDP at the same world size: the step time ratio (best rounds, and medians).
+    for (auto const& m : modes) {
+      if (!m.starts_with("zero")) continue;
+      std::string const d = "ddp" + m.substr(4);
+      if (measurement const z = best(m), x = best(d); z.samples_per_s > 0 && x.samples_per_s > 0)
+        vs_torch.push_back(bench::fmt("batch %zu: ", b) + m + " step time / " + d +
+                           bench::fmt("'s = %.3f (best rounds), %.3f (medians)", x.samples_per_s / z.samples_per_s,
+                                      med(d) / med(m)));
     }
     if (auto it = mpi.find(b); it != mpi.end())
       add("ddp_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);
