@@ -269,4 +269,17 @@ TEST_CASE("a hook's wrong result and a compression hook on F64 fail every rank w
     });
   };
   CHECK_THROWS_WITH(run_f64(), Catch::Contains("fp16_compress: expected an F32 gradient bucket, found F64"));
+  // A bucket said to be in GPU memory (never touched: the check comes first) names the hook that takes it.
+  auto const run_gpu_bucket = [] {
+    dpl::spawn(1, [&](dpl::rank_context& rank) {
+      std::vector<float> x(4);
+      std::vector<std::size_t> const params{0}, offsets{0}, sizes{4};
+      dpl::compress_state st;
+      (void)dpl::bf16_compress(st, rank.group(),
+                               dpl::grad_bucket{0, dpl::tensor_ref(x.data(), 4, dpl::dtype::f32, dpl::device{dpl::device_kind::cuda, 0, 0}),
+                                                params, offsets, sizes});
+    });
+  };
+  CHECK_THROWS_WITH(run_gpu_bucket(), Catch::Contains("bf16_compress: expected the bucket in host memory") &&
+                                          Catch::Contains("register dparallel::cuda::bf16_compress"));
 }

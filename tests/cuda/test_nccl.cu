@@ -6,11 +6,16 @@
 #include "cuda_linreg.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
+#include <dparallel/backend/cuda/compress_hooks.hpp>
 #include <dparallel/comm/desync.hpp>
 #include <dparallel/comm/nccl.hpp>
 #include <dparallel/dparallel.hpp>
+#include <dparallel/policy/compress_hooks.hpp>
+#include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
+
+#include <cmath>
 
 #include <cstdint>
 #include <numeric>
@@ -188,5 +193,60 @@ TEST_CASE("NCCL world size 1: abort with and without pending work", "[nccl][one-
     std::vector<float> t(8, 1.0f);
     CHECK_THROWS_WITH(g.all_reduce(dpl::view(t)).wait(), Catch::Contains("nothing pending"));
     CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  }
+}
+
+namespace {
+
+// Three steps of a compression hook over one bucket of two parameters (600 and 401 elements,
+// values that 16 bits cannot hold), `run(step, bucket)` giving the hook's result; every result.
+template <class Run>
+std::vector<std::vector<float>> three_steps(Run run) {
+  std::vector<std::size_t> const params{0, 1}, offsets{0, 600}, sizes{600, 401};
+  std::vector<std::vector<float>> out;
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> x(1001);
+    for (std::size_t i = 0; i < x.size(); ++i)
+      x[i] = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(step)) * (1.0f + 1e-3f * static_cast<float>(i)) / 3.0f;
+    out.push_back(run(x, params, offsets, sizes));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("NCCL world size 1: cuda::fp16_compress and bf16_compress give the host hooks' bits, with and without "
+          "error feedback",
+          "[nccl][one-gpu][hooks]") {
+  for (bool feedback : {false, true}) {
+    for (bool bf : {false, true}) {
+      INFO((bf ? "bf16" : "fp16") << ", error feedback " << feedback);
+      std::vector<std::vector<float>> host, dev;
+      dpl::spawn(1, [&](dpl::rank_context& rank) {  // the host hook over a host group of one rank
+        dpl::compress_state st{.error_feedback = feedback};
+        host = three_steps([&](std::vector<float> x, auto const& p, auto const& o, auto const& s) {
+          dpl::grad_bucket const b{0, dpl::tensor_ref(x.data(), x.size(), dpl::dtype::f32, dpl::host_memory), p, o, s};
+          auto f = bf ? dpl::bf16_compress(st, rank.group(), b) : dpl::fp16_compress(st, rank.group(), b);
+          auto const r = f.get();
+          return std::vector<float>(static_cast<float const*>(r.data()), static_cast<float const*>(r.data()) + r.size());
+        });
+      });
+      auto const g = one_rank_group();
+      dpl::cuda::compress_state st{.error_feedback = feedback};
+      dev = three_steps([&](std::vector<float> const& x, auto const& p, auto const& o, auto const& s) {
+        auto d = on_gpu(x);
+        dpl::grad_bucket const b{0, dpl::tensor_ref(d.data(), x.size(), dpl::dtype::f32, gpu0), p, o, s};
+        auto f = bf ? dpl::cuda::bf16_compress(st, g, b) : dpl::cuda::fp16_compress(st, g, b);
+        auto const r = f.get();
+        dpl::cuda::check(cudaDeviceSynchronize(), "test");
+        return from_gpu(static_cast<float const*>(r.data()), r.size());
+      });
+      REQUIRE(dev.size() == host.size());
+      for (std::size_t k = 0; k < host.size(); ++k) {
+        INFO("step " << k);
+        CHECK(dev[k] == host[k]);  // bitwise: one rank's average is its own 16-bit values
+        CHECK(host[k] != three_steps([](std::vector<float> x, auto const&, auto const&, auto const&) { return x; })[k]);
+      }
+    }
   }
 }
