@@ -21,7 +21,8 @@ TEST_CASE("hierarchical: all_reduce equals the documented-order reference, bit f
   struct layout {
     int world, per_node;
   };
-  for (auto const [world, per_node] : {layout{4, 2}, layout{6, 2}, layout{6, 3}}) {
+  for (auto const l : {layout{4, 2}, layout{6, 2}, layout{6, 3}}) {
+    int const world = l.world, per_node = l.per_node;  // (clang 14 cannot capture structured bindings)
     std::vector<std::string> errors(static_cast<std::size_t>(world));
     dp::spawn(world, [&](dp::rank_context& ctx) {
       auto const h = dp::make_hierarchical(ctx.group(), {.ranks_per_node = per_node});
