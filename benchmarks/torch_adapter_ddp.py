@@ -15,6 +15,12 @@ import socket
 import sys
 import time
 
+# torch.set_num_threads bounds PyTorch's own pool only: a PyTorch built on the system BLAS (Debian's,
+# BLAS_INFO=generic) runs its GEMMs on OpenBLAS's threads, one per core unless these say otherwise.
+# Set before torch (and its BLAS) is loaded, so "one thread" is one thread.
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
 
 def free_port():
     with socket.socket() as s:
