@@ -1,6 +1,6 @@
 // ZeRO stage 1 (ddp_zero1 + zero_redundancy_optimizer) on thread ranks: the parameters are
-// bitwise DDP's with the same update rule, each rank holds 1/N of the optimizer state, and bad
-// input fails with errors that say what to do.
+// bitwise DDP's with the same update rule (also over bf16/f16 parameters with F32 master shards),
+// each rank holds 1/N of the optimizer state, and bad input fails with errors that say what to do.
 #include "test_zero_common.hpp"
 
 #include <dparallel/comm/host.hpp>
@@ -261,6 +261,53 @@ TEST_CASE("ZeRO-1 refuses gradient_as_bucket_view and parameters that are not f3
     dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
   });
   for (auto const& s : f64) CHECK_THAT(s, Catch::Contains("parameter 0 is F64, expected F32"));
+  auto const bf16 = errors_of(2, [](dpl::rank_context& rank) {  // 16-bit: only with master shards
+    test::half_chunked<dpl::bf16> m(test::zero_sizes(), 7);
+    dpl::parallel<test::half_chunked<dpl::bf16>, dpl::ddp_zero1> w(m, rank);
+    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+  });
+  for (auto const& s : bf16) CHECK_THAT(s, Catch::Contains("parameter 0 is BF16") && Catch::Contains("master_weights = true"));
+}
+
+namespace {
+
+/// train_half_rank on `world` thread ranks: every rank's run.
+template <class T>
+std::vector<test::half_run> run_half(int world, bool zero, bool hook, bool tiny) {
+  std::vector<test::half_run> out(static_cast<std::size_t>(world));
+  dpl::spawn(world, [&](dpl::rank_context& rank) {
+    out[static_cast<std::size_t>(rank.rank())] = test::train_half_rank<T>(rank.group(), zero, hook, tiny);
+  });
+  return out;
+}
+
+template <class T>
+void half_zero_equals_ddp(char const* name) {
+  for (int n = 1; n <= 4; ++n)
+    for (bool tiny : {false, true})
+      for (bool hook : {false, true}) {
+        INFO(name << ", " << n << " ranks, tiny buckets " << tiny << ", grad_ready " << hook);
+        auto const want = run_half<T>(n, false, hook, tiny);
+        auto const got = run_half<T>(n, true, hook, tiny);
+        for (auto const& r : got) {
+          CHECK(r.hashes == want[0].hashes);  // after every step
+          CHECK(r.bits == want[0].bits);
+          CHECK(r.state_bytes == r.expected_state_bytes);  // 1/N of two slots and the master, plus padding
+        }
+        CHECK(want[0].hashes.front() != want[0].hashes.back());  // the run moved the parameters
+        if (n > 1) CHECK(got[0].state_bytes < want[0].state_bytes);
+      }
+}
+
+}  // namespace
+
+// Each rank keeps the F32 master copy of its shard only; DDP's optimizer keeps all of it on every
+// rank. The model rounds F32 gradients to 16 bits, so the ranks' averages are not exact: the
+// reduce-scatter must round them as DDP's all-reduce does.
+TEST_CASE("ZeRO-1 over bf16 and f16 parameters with F32 master shards equals DDP with master weights, bitwise",
+          "[host][zero][master][contract]") {
+  half_zero_equals_ddp<dpl::bf16>("bf16");
+  half_zero_equals_ddp<dpl::f16>("f16");
 }
 
 TEST_CASE("ZeRO-1 with overlap_gather: the gathers run on into the next step, and with need() the parameters are "

@@ -2,7 +2,8 @@
 // ZeRO-1 against DDP: one training run of either on any process group, with an update rule
 // applied to whole tensors under DDP (optim::optimizer) and to each rank's shard of the buckets
 // under ZeRO-1 (zero_redundancy_optimizer): the test's own (Adam's arithmetic) or the library's. Shared by tests/test_zero.cpp (thread ranks)
-// and tests/mpi/test_mpi_zero.cpp (MPI processes); so is train_overlap (zero_options::overlap_gather).
+// and tests/mpi/test_mpi_zero.cpp (MPI processes); so are train_overlap (zero_options::overlap_gather)
+// and train_half_rank (16-bit parameters with F32 master shards, zero_options::master_weights).
 #include "models.hpp"
 
 #include <dparallel/dparallel.hpp>
@@ -136,6 +137,110 @@ inline overlap_run train_overlap(dparallel::process_group const& group, bool hoo
   }
   opt.wait_gathers();
   out.params = flat(m, false);
+  return out;
+}
+
+/// chunked's linear model with T parameters and G gradients: the forward and backward run
+/// in F32 on the widened parameters, each gradient element is rounded to G once.
+template <class T, class G = T>
+struct half_chunked {
+  std::vector<std::vector<T>> w;
+  std::vector<std::vector<G>> g;
+  std::size_t dim = 0;
+  explicit half_chunked(std::vector<std::size_t> const& sizes, std::uint64_t seed) {
+    rng r{seed};
+    for (std::size_t s : sizes) {
+      std::vector<T> v(s);
+      for (auto& x : v) x = T(static_cast<float>(r.small_int(-2, 2)) * 0.375f);
+      w.push_back(v);
+      g.emplace_back(s, G(0.0f));
+      dim += s;
+    }
+  }
+  std::vector<dparallel::tensor_view<T>> parameters() {
+    std::vector<dparallel::tensor_view<T>> out;
+    for (auto& v : w) out.push_back(dparallel::view(v));
+    return out;
+  }
+  std::vector<dparallel::tensor_view<G>> gradients() {
+    std::vector<dparallel::tensor_view<G>> out;
+    for (auto& v : g) out.push_back(dparallel::view(v));
+    return out;
+  }
+  void forward_backward(samples<float> const& s, dparallel::step_context* ctx = nullptr) {
+    std::size_t const n = s.x.rows();
+    std::vector<float> r(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      float pred = 0;
+      std::size_t col = 0;
+      for (auto const& v : w)
+        for (T x : v) pred += static_cast<float>(x) * s.x[i * dim + col++];
+      r[i] = pred - s.y[i];
+    }
+    std::size_t start = dim;
+    for (std::size_t p = w.size(); p-- > 0;) {
+      start -= w[p].size();
+      for (std::size_t j = 0; j < g[p].size(); ++j) {
+        float acc = 0;
+        for (std::size_t i = 0; i < n; ++i) acc += r[i] * s.x[i * dim + start + j];
+        g[p][j] = G(acc / static_cast<float>(n));
+      }
+      if (ctx != nullptr) ctx->grad_ready(p);
+    }
+  }
+};
+
+/// The bits of every parameter, in order.
+template <class M>
+std::vector<std::uint16_t> bits_of(M& m) {
+  std::vector<std::uint16_t> out;
+  for (auto const& v : m.w)
+    for (auto x : v) out.push_back(x.bits);
+  return out;
+}
+
+/// One rank's 16-bit run: its parameter hash after every step, its bits at the end, its state
+/// bytes (and, for ZeRO-1, what 1/N of two slots and the master with padding comes to).
+struct half_run {
+  std::vector<std::uint64_t> hashes;
+  std::vector<std::uint16_t> bits;
+  std::size_t state_bytes = 0, expected_state_bytes = 0;
+};
+
+/// 20 steps of DDP with optim::optimizer or ZeRO-1, both with master weights and adam_like, over
+/// half_chunked<T> on `group`, each rank on its slice of a fresh batch per step.
+template <class T>
+half_run train_half_rank(dparallel::process_group const& group, bool zero, bool hook, bool tiny, int steps = 20) {
+  using model = half_chunked<T>;
+  int const world = group.size();
+  auto const me = static_cast<std::size_t>(group.rank());
+  half_run out;
+  dparallel::options const opts = tiny ? zero_tiny_buckets() : dparallel::options{};
+  model m(zero_sizes(), 7 + me);  // differs until broadcast
+  auto const fn = [hook](model& r, samples<float> s, dparallel::step_context& c) { r.forward_backward(s, hook ? &c : nullptr); };
+  auto const train = [&](auto& w, auto& opt) {
+    for (int k = 0; k < steps; ++k) {
+      auto const d = dataset<float>::make(4 * static_cast<std::size_t>(world), m.dim, static_cast<std::uint64_t>(k + 1), false);
+      w.step(dparallel::slice_batch(d.all(), me * 4, (me + 1) * 4), fn);
+      opt.step(w, 0.01);
+      out.hashes.push_back(param_hash(m));
+    }
+    out.state_bytes = opt.state_bytes();
+  };
+  if (zero) {
+    dparallel::parallel<model, dparallel::ddp_zero1> w(m, group, opts);
+    dparallel::zero_redundancy_optimizer opt(w, adam_like{}, {.master_weights = true});
+    train(w, opt);
+    auto const& r = w.reducer();
+    auto const n = static_cast<std::size_t>(world);
+    for (std::size_t b = 0; b < r.buckets().size(); ++b)
+      out.expected_state_bytes += 3 * sizeof(float) * ((r.buckets()[b].elements + n - 1) / n);
+  } else {
+    dparallel::distributed_data_parallel<model> w(m, group, opts);
+    dparallel::optim::optimizer opt(w, adam_like{}, {.master_weights = true});
+    train(w, opt);
+  }
+  out.bits = bits_of(m);
   return out;
 }
 

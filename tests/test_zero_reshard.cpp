@@ -2,7 +2,8 @@
 // (every rank its shard, or rank 0 the gathered file), the rest on M ranks, on plain DDP or on one
 // device, give bitwise the parameters of a run whose whole, unsharded optimizer state was handed
 // from N to M ranks (DDP with optim::optimizer and optim::save_state, which test_zero shows equal
-// to ZeRO-1 at every world size). Bad input: a missing shard, another optimizer, another model.
+// to ZeRO-1 at every world size), also over bf16 parameters with F32 master shards. Bad input: a
+// missing shard, another optimizer, another model.
 #include "models.hpp"
 #include "scratch.hpp"
 #include "test_zero_common.hpp"
@@ -23,6 +24,7 @@
 #include <filesystem>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -41,21 +43,24 @@ struct leg {
   optim::zero_save_mode mode = optim::zero_save_mode::sharded;  // a ZeRO-1 leg's save
 };
 
-/// What a leg ended with: rank 0's parameter hash after every step, each rank's parameters.
+/// What a leg ended with: rank 0's parameter hash after every step, each rank's at the end.
 struct leg_result {
   std::vector<std::uint64_t> hashes;
-  std::vector<std::vector<double>> params;  // per rank
+  std::vector<std::uint64_t> last;  // per rank
 };
 
 dpl::options opts_for(bool tiny) { return tiny ? test::zero_tiny_buckets() : dpl::options{}; }
 
 /// Steps [from, to) of the run as leg `l`, with AdamW; resumes from `in` (model.safetensors and
-/// the optimizer state opt.safetensors) when from > 0, saves to `out` when it is not empty.
+/// the optimizer state opt.safetensors) when from > 0, saves to `out` when it is not empty. Over
+/// a model of 16-bit parameters (test::half_chunked) both optimizers keep F32 master copies.
+template <class Model = model>
 leg_result run_leg(leg l, int from, int to, fs::path const& in, fs::path const& out, bool tiny) {
   leg_result res;
-  res.params.resize(static_cast<std::size_t>(l.world));
+  res.last.resize(static_cast<std::size_t>(l.world));
   optim::adamw const rule({.weight_decay = 0.05});
-  auto const fn = [](model& r, test::samples<float> s) { return r.forward_backward(s); };
+  bool const master = !std::is_same_v<Model, model>;
+  auto const fn = [](Model& r, test::samples<float> s) { return r.forward_backward(s); };
   auto const body = [&](int rank, int world, auto& m, auto& w, auto& opt, auto&& save_opt, auto&& step) {
     for (int k = from; k < to; ++k) {
       auto const d = test::dataset<float>::make(4 * static_cast<std::size_t>(world), m.dim,
@@ -68,15 +73,15 @@ leg_result run_leg(leg l, int from, int to, fs::path const& in, fs::path const& 
       if (rank == 0) dpl::save_state_dict(out / "model.safetensors", m);
       save_opt();
     }
-    res.params[static_cast<std::size_t>(rank)] = test::flat(m, false);
+    res.last[static_cast<std::size_t>(rank)] = test::param_hash(m);
   };
-  auto const resume_model = [&](model& m) {
+  auto const resume_model = [&](Model& m) {
     if (from > 0) dpl::load_state_dict(in / "model.safetensors", m);
   };
   if (l.how == kind::single) {
-    model m(test::zero_sizes(), 7);
+    Model m(test::zero_sizes(), 7);
     resume_model(m);
-    optim::optimizer opt(m, rule);
+    optim::optimizer opt(m, rule, {.master_weights = master});
     if (from > 0) optim::load_state(in / "opt.safetensors", opt, m);
     body(0, 1, m, m, opt, [&] { optim::save_state(out / "opt.safetensors", opt, m); },
          [&](auto const& batch) { m.forward_backward(batch); });
@@ -84,17 +89,17 @@ leg_result run_leg(leg l, int from, int to, fs::path const& in, fs::path const& 
   }
   dpl::spawn(l.world, [&](dpl::rank_context& ctx) {
     int const rank = ctx.rank();
-    model m(test::zero_sizes(), static_cast<std::uint64_t>(7 + rank));
+    Model m(test::zero_sizes(), static_cast<std::uint64_t>(7 + rank));
     resume_model(m);
     if (l.how == kind::zero) {
-      dpl::parallel<model, dpl::ddp_zero1> w(m, ctx.group(), opts_for(tiny));
-      dpl::zero_redundancy_optimizer opt(w, rule);
+      dpl::parallel<Model, dpl::ddp_zero1> w(m, ctx.group(), opts_for(tiny));
+      dpl::zero_redundancy_optimizer opt(w, rule, {.master_weights = master});
       if (from > 0) optim::load_zero_state(in / "opt.safetensors", opt);
       body(rank, l.world, m, w, opt, [&] { optim::save_zero_state(out / "opt.safetensors", opt, l.mode); },
            [&](auto const& batch) { w.step(batch, fn); });
     } else {
-      dpl::distributed_data_parallel<model> w(m, ctx.group(), opts_for(tiny));
-      optim::optimizer opt(w, rule);
+      dpl::distributed_data_parallel<Model> w(m, ctx.group(), opts_for(tiny));
+      optim::optimizer opt(w, rule, {.master_weights = master});
       if (from > 0) optim::load_state(in / "opt.safetensors", opt, w);
       body(rank, l.world, m, w, opt,
            [&] {
@@ -107,18 +112,20 @@ leg_result run_leg(leg l, int from, int to, fs::path const& in, fs::path const& 
 }
 
 /// K steps as `first`, a save, `total` - K steps as `second` after loading it; the hashes of both legs.
+template <class Model = model>
 std::vector<std::uint64_t> two_legs(leg first, leg second, fs::path const& dir, bool tiny, int k = 4, int total = 9) {
-  auto const a = run_leg(first, 0, k, {}, dir, tiny);
-  auto const b = run_leg(second, k, total, dir, {}, tiny);
-  for (auto const& p : b.params) CHECK(p == b.params[0]);  // every rank holds the same parameters
+  auto const a = run_leg<Model>(first, 0, k, {}, dir, tiny);
+  auto const b = run_leg<Model>(second, k, total, dir, {}, tiny);
+  for (auto const h : b.last) CHECK(h == b.last[0]);  // every rank holds the same parameters
   auto h = a.hashes;
   h.insert(h.end(), b.hashes.begin(), b.hashes.end());
   return h;
 }
 
 /// The reference: the same two legs with DDP and the whole optimizer state handed over (optim::save_state).
+template <class Model = model>
 std::vector<std::uint64_t> reference(int n, kind second, int m, fs::path const& dir, bool tiny) {
-  return two_legs({kind::ddp, n}, {second, m}, dir, tiny);
+  return two_legs<Model>({kind::ddp, n}, {second, m}, dir, tiny);
 }
 
 char const* mode_name(optim::zero_save_mode m) { return m == optim::zero_save_mode::sharded ? "sharded" : "gathered"; }
@@ -156,6 +163,28 @@ TEST_CASE("ZeRO-1's gathered state resumes on plain DDP and on one device with o
   CHECK(two_legs({kind::zero, 3, g}, {kind::single, 1}, dir, true) == reference(3, kind::single, 1, ref_dir, true));
   // And back: an unsharded optimizer's file (optim::save_state) resumes ZeRO-1 on another world size.
   CHECK(two_legs({kind::ddp, 2}, {kind::zero, 3}, dir, true) == reference(2, kind::ddp, 3, ref_dir, true));
+}
+
+TEST_CASE("ZeRO-1's F32 master shards of bf16 parameters reshard: N to M ranks, to and from the unsharded optimizer",
+          "[host][zero][checkpoint][master]") {
+  // The master shards are saved as "<parameter>.master", the name optim::save_state gives a master
+  // copy; without them a resumed run would widen the bf16 parameters and differ.
+  using model16 = test::half_chunked<dpl::bf16>;
+  auto const dir = test::scratch_dir("test_zero_reshard", "run");
+  auto const ref_dir = test::scratch_dir("test_zero_reshard", "ref");
+  auto const ref2 = reference<model16>(3, kind::ddp, 2, ref_dir, true);
+  auto const ref4 = reference<model16>(3, kind::ddp, 4, ref_dir, true);
+  CHECK(ref2.front() != ref2.back());
+  for (auto mode : {optim::zero_save_mode::sharded, optim::zero_save_mode::gathered}) {
+    INFO(mode_name(mode));
+    CHECK(two_legs<model16>({kind::zero, 3, mode}, {kind::zero, 2}, dir, true) == ref2);
+    CHECK(two_legs<model16>({kind::zero, 3, mode}, {kind::zero, 4}, dir, true) == ref4);
+  }
+  auto const g = optim::zero_save_mode::gathered;
+  CHECK(two_legs<model16>({kind::zero, 3, g}, {kind::ddp, 2}, dir, true) == ref2);
+  CHECK(two_legs<model16>({kind::zero, 3, g}, {kind::single, 1}, dir, true) ==
+        reference<model16>(3, kind::single, 1, ref_dir, true));
+  CHECK(two_legs<model16>({kind::ddp, 3}, {kind::zero, 2}, dir, true) == ref2);
 }
 
 namespace {

@@ -16,15 +16,11 @@
 #include <dparallel/core/step_checks.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/detail/replica_set.hpp>
+#include <dparallel/detail/step_plan.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
-#include <dparallel/policy/bucketed_reduce.hpp>
-#include <dparallel/policy/bucketed_reduce_scatter.hpp>
-#include <dparallel/policy/gather.hpp>
 #include <dparallel/policy/join.hpp>
-#include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replica_set.hpp>
-#include <dparallel/policy/replicate.hpp>
-#include <dparallel/policy/scatter.hpp>
+#include <dparallel/semantics.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -39,69 +35,6 @@
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
-
-/// A bundle of policies: what parallel<> is parameterised on.
-template <class S>
-concept semantics = scatter_policy<typename S::scatter> && replicate_policy<typename S::replicate> &&
-                    reduce_policy<typename S::reduce> && gather_policy<typename S::gather>;
-
-/// DataParallel semantics (torch.nn.DataParallel): one process, several local devices; the batch
-/// is split on dim 0, the master's parameters are copied to every replica before each step, the
-/// gradients are summed shard-weighted onto the master, the outputs are concatenated.
-/// Derive from it and replace a member type to mix policies.
-struct dp {
-  /// torch.chunk split of the global batch.
-  using scatter = policy::split_batch;
-  /// The master's parameters copied to every replica before each step.
-  using replicate = policy::replicate_each_step;
-  /// Shard-weighted gradients summed onto the master.
-  using reduce = policy::reduce_to_master;
-  /// Outputs concatenated in device order.
-  using gather = policy::concat_outputs;
-};
-static_assert(semantics<dp>);
-
-/// DataParallel whose shard sizes follow each device's measured speed (policy::auto_balance):
-/// for devices of unequal speed. Results equal the one-device gradient, but shard sizes depend
-/// on timing, so runs are reproducible only up to rounding.
-struct dp_balanced : dparallel::dp {
-  /// Shard sizes that follow each device's measured speed.
-  using scatter = policy::auto_balance;
-};
-static_assert(semantics<dp_balanced>);
-
-/// DistributedDataParallel semantics (torch.nn.parallel.DistributedDataParallel): one replica per
-/// rank of a process group, each rank feeding its own batch (see distributed_sampler); rank 0's
-/// parameters broadcast at construction, gradients averaged by a bucketed all-reduce overlapped
-/// with backward, outputs left local. `distributed` selects the process-group constructor.
-struct ddp {
-  /// Marks a bundle whose wrappers span a process group (see is_distributed_v).
-  static constexpr bool distributed = true;
-  /// Each rank's replica takes the whole batch it is given.
-  using scatter = policy::no_scatter;
-  /// Rank 0's parameters broadcast at construction.
-  using replicate = policy::broadcast_from_root;
-  /// Bucketed all-reduce, averaged over the ranks, overlapped with backward.
-  using reduce = policy::bucketed_all_reduce;
-  /// Each rank's output returned as it is.
-  using gather = policy::local_output;
-};
-static_assert(semantics<ddp>);
-
-/// DDP with ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer over DDP): each bucket's gradient is
-/// reduce-scattered instead of all-reduced, overlapped with backward as in ddp, so each rank ends
-/// the step with its shard of the averaged gradient; a zero_redundancy_optimizer over the wrapper
-/// updates that shard with 1/N of the optimizer state and all-gathers the parameters.
-struct ddp_zero1 : dparallel::ddp {
-  /// Bucketed reduce-scatter, averaged over the ranks, overlapped with backward.
-  using reduce = policy::bucketed_reduce_scatter;
-};
-static_assert(semantics<ddp_zero1>);
-
-/// True for bundles whose wrappers span the ranks of a process group (DDP and its variants).
-template <class S>
-inline constexpr bool is_distributed_v = requires { requires S::distributed; };
-
 
 /// DataParallel or DistributedDataParallel around a model of the user's type, composed from the policies of
 /// `Semantics` (see docs/design.md). Use the aliases data_parallel and distributed_data_parallel, or name a
@@ -161,7 +94,7 @@ class parallel {
     for (std::size_t i = 1; i < rs_.size(); ++i) {
       rs_.owned.push_back(std::make_unique<Model>(make_replica(std::as_const(model), rs_.devices[i])));
       rs_.models.push_back(rs_.owned.back().get());
-      check_replica(i);
+      detail::check_replica(rs_, i);
     }
     for (auto const& d : rs_.devices) rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(d));
     rs_.compute_done.resize(rs_.size());
@@ -356,7 +289,7 @@ class parallel {
     using slot_type = std::conditional_t<returns_value, std::optional<out_type>, char>;
     profile_duration const waited = std::exchange(data_wait_, profile_duration{});
     auto const entered = profile_clock::now();
-    plan(batch_size(batch));
+    detail::plan_step(scatter_, rs_, batch_size(batch));
     rs_.refresh_views();
     started_.resize(rs_.size());
     ended_.resize(rs_.size());
@@ -391,7 +324,7 @@ class parallel {
       step_scratch* scratch;
     } const fr{this, &batch, &step_fn, scratch};
     sync_guard guard{this};
-    // The master's stream keeps its worker asleep: this thread runs its work in synchronize()
+    // The master's stream keeps its worker asleep: this thread runs its work in synchronize_streams()
     // below, where it would otherwise only wait (no hand-off, no wake-up on the critical path).
     if constexpr (requires { rs_.streams[0]->hold(); }) rs_.streams[0]->hold();
     if constexpr (is_distributed_v<Semantics>) join_.begin(rs_);  // uneven inputs: policy/join.hpp
@@ -432,7 +365,7 @@ class parallel {
     reduce_.finish(rs_);
     if constexpr (is_distributed_v<Semantics>) join_.end(rs_);
     guard.armed = false;
-    synchronize();
+    detail::synchronize_streams(rs_.streams);
     auto const drained = profile_clock::now();
     if constexpr (returns_value) {
       auto& done = scratch->done;
@@ -502,70 +435,9 @@ class parallel {
     parallel* self;
     bool armed = true;
     ~sync_guard() {
-      if (!armed) return;
-      for (auto& s : self->rs_.streams) {
-        try {
-          s->synchronize();
-        } catch (...) {  // NOLINT(bugprone-empty-catch): the exception in flight is the one to report
-        }
-      }
+      if (armed) detail::drain_streams(self->rs_.streams);
     }
   };
-
-  // Checks on the per-step path build their message only when they fail.
-  void plan(std::size_t total) {
-    if (total == 0)
-      throw invalid_argument("dparallel: step: expected a batch of at least one sample, found an empty batch");
-    auto sizes = scatter_.shard_sizes(total, rs_.size(), rs_.opts);
-    if (sizes.size() > rs_.size())
-      throw invalid_argument("dparallel: step: the scatter policy returned " + std::to_string(sizes.size()) +
-                             " shards for " + std::to_string(rs_.size()) + " devices");
-    sizes.resize(rs_.size(), 0);
-    rs_.batch = total;
-    rs_.shard_sizes = std::move(sizes);
-    rs_.shard_offsets.assign(rs_.size(), 0);
-    std::size_t off = 0;
-    for (std::size_t i = 0; i < rs_.size(); ++i) {
-      rs_.shard_offsets[i] = off;
-      off += rs_.shard_sizes[i];
-    }
-    if (off != total)
-      throw invalid_argument("dparallel: step: the scatter policy's shard sizes sum to " + std::to_string(off) +
-                             ", expected the batch size " + std::to_string(total));
-  }
-
-  // Waits for every stream, running on this thread the work no worker has started (where the
-  // backend's stream can: synchronize_here); rethrows the first error in device order.
-  void synchronize() {
-    std::exception_ptr first;
-    for (auto& s : rs_.streams) {
-      try {
-        if constexpr (requires { s->synchronize_here(); }) s->synchronize_here();
-        else s->synchronize();
-      } catch (...) {
-        if (!first) first = std::current_exception();
-      }
-    }
-    if (first) std::rethrow_exception(first);
-  }
-
-  void check_replica(std::size_t i) {
-    Model& r = *rs_.models[i];
-    std::string const where = "parallel: the replica for " + to_string(rs_.devices[i]);
-    verify_model(r, where);
-    auto const mp = parameter_refs(*rs_.master);
-    auto const rp = parameter_refs(r);
-    detail::require(mp.size() == rp.size(), where + " has " + std::to_string(rp.size()) +
-                                                " parameters, expected the master's " + std::to_string(mp.size()));
-    for (std::size_t k = 0; k < mp.size(); ++k) {
-      detail::require(mp[k].size() == rp[k].size() && mp[k].dtype() == rp[k].dtype(),
-                      where + ": parameter " + std::to_string(k) + " differs from the master's in size or dtype");
-      detail::require(!detail::overlaps(mp[k], rp[k]),
-                      where + ": parameter " + std::to_string(k) +
-                          " shares storage with the master's; a replica needs its own storage (give the model "
-                          "make_replica if copying it aliases)");
-    }
-  }
 
   // DDP's device when options::local_device is not given: the backend's choice for this rank
   // (CUDA: the rank's GPU among the visible ones), else device `rank` of the backend's kind.

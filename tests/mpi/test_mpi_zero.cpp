@@ -2,7 +2,8 @@
 // of ddp_zero1 + zero_redundancy_optimizer are bitwise those of DDP with the same rule, over the
 // same MPI group and over thread ranks of the host communicator (the reference runs in each
 // process through dparallel::spawn), on every rank, also with the all-gathers overlapping the next
-// forward (zero_options::overlap_gather); each rank holds its share of the state.
+// forward (zero_options::overlap_gather), and over bf16 parameters with F32 master shards
+// (zero_options::master_weights); each rank holds its share of the state.
 #include "../test_zero_common.hpp"
 
 #include <dparallel/comm/host.hpp>
@@ -48,5 +49,24 @@ TEST_CASE("mpi: ZeRO-1 over N processes gives bitwise the parameters of DDP with
       for (auto s : test::zero_sizes()) total += static_cast<std::int64_t>(s);
       CHECK(covered == total);
     }
+  }
+}
+
+TEST_CASE("mpi: ZeRO-1 over bf16 parameters with F32 master shards gives bitwise DDP with master weights", "[zero]") {
+  auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, 60s);
+  int const rank = g.rank(), world = g.size();
+  for (bool tiny : {false, true}) {
+    INFO("rank " << rank << " of " << world << ", tiny buckets " << tiny);
+    std::vector<test::half_run> ref(static_cast<std::size_t>(world));
+    dpl::spawn(world, [&](dpl::rank_context& ctx) {
+      ref[static_cast<std::size_t>(ctx.rank())] = test::train_half_rank<dpl::bf16>(ctx.group(), false, true, tiny);
+    });
+    auto const ddp = test::train_half_rank<dpl::bf16>(g, false, true, tiny);
+    auto const zero = test::train_half_rank<dpl::bf16>(g, true, true, tiny);
+    CHECK(ddp.bits == ref[0].bits);   // MPI DDP over bf16 = thread-rank DDP
+    CHECK(zero.bits == ref[0].bits);  // ZeRO-1 with master shards = DDP with master weights
+    CHECK(zero.hashes == ddp.hashes);
+    CHECK(ddp.hashes.front() != ddp.hashes.back());
+    CHECK(zero.state_bytes == zero.expected_state_bytes);
   }
 }

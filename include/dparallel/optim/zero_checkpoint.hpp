@@ -97,7 +97,7 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
   named_tensor const step_tensor{pre + l.rule + ".step", tensor_ref(&step, 1, dtype::i64, host_memory),
                                  std::vector<std::uint64_t>{1}};
   safetensors_metadata meta{{"format", "pt"}, {std::string(optimizer_metadata_key), l.rule}};
-  auto const slot_name = [&](std::size_t i, std::size_t k) { return pre + l.names[i] + "." + std::string(l.slot_names[k]); };
+  auto const slot_name = [&](std::size_t i, std::size_t k) { return pre + l.names[i] + "." + std::string(l.slot_name(k)); };
   if (mode == zero_save_mode::sharded) {
     detail::on_every_rank(group, "save_zero_state", [&] {
       std::vector<named_tensor> tensors;
@@ -105,7 +105,7 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
         std::size_t const n = q.end - q.begin;
         meta[std::string(zero_range_key) + l.names[q.param]] =
             std::to_string(q.begin) + " " + std::to_string(q.end) + " " + std::to_string(l.sizes[q.param]);
-        for (std::size_t k = 0; k < l.slots; ++k)
+        for (std::size_t k = 0; k < l.kept(q.param); ++k)
           tensors.push_back({slot_name(q.param, k),
                              tensor_ref(access::slot(opt, k, q.bucket) + q.at, n, dtype::f32, host_memory),
                              std::vector<std::uint64_t>{n}});
@@ -119,15 +119,17 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
     return;
   }
   // Gathered: each bucket's slot shards are all-gathered, rank 0 cuts the parameters out.
-  std::vector<std::vector<float>> full(rank == 0 ? l.slots * np : 0);
-  for (std::size_t i = 0; i < full.size(); ++i) full[i].resize(l.sizes[i % np]);
+  std::vector<std::vector<float>> full(rank == 0 ? l.slot_tables() : 0);
+  for (std::size_t i = 0; i < full.size(); ++i)
+    if (i / np < l.kept(i % np)) full[i].resize(l.sizes[i % np]);  // the master table: 16-bit parameters only
   std::vector<float> whole;
   for (std::size_t b = 0; b < r.buckets().size(); ++b) {
     std::size_t const m = r.shard_elements(b);
     if (m == 0) continue;  // every rank has the same plan
     whole.resize(m * static_cast<std::size_t>(world));
     auto const& spec = r.buckets()[b];
-    for (std::size_t k = 0; k < l.slots; ++k) {
+    std::size_t const kept = l.slots + (dparallel::detail::is_half(spec.dtype) ? 1 : 0);  // and the master shard
+    for (std::size_t k = 0; k < kept; ++k) {
       group.all_gather(view(whole), tensor_ref(access::slot(opt, k, b), m, dtype::f32, host_memory)).wait();
       if (rank != 0) continue;
       for (std::size_t j = 0; j < spec.params.size(); ++j) {
@@ -140,7 +142,7 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
     if (rank != 0) return;
     std::vector<named_tensor> tensors;
     for (std::size_t i = 0; i < np; ++i)
-      for (std::size_t k = 0; k < l.slots; ++k) tensors.push_back({slot_name(i, k), view(full[k * np + i]), l.shapes[i]});
+      for (std::size_t k = 0; k < l.kept(i); ++k) tensors.push_back({slot_name(i, k), view(full[k * np + i]), l.shapes[i]});
     tensors.push_back(step_tensor);
     save_safetensors(path, tensors, meta);
     detail::remove_other_saves(path, 0);
@@ -169,10 +171,10 @@ void load_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
       throw error("dparallel: load_zero_state on rank " + rank + ": " + dparallel::detail::in_quotes(path.string()) +
                   " says " + std::to_string(st->step) + " steps were taken; expected a count >= 0");
   });
-  access::restore(opt, static_cast<std::uint64_t>(st->step), [&opt, st, sizes = l.sizes, slots = l.slots] {
-    std::size_t const np = sizes.size();
-    for (auto const& q : detail::zero_pieces(access::wrapper(opt).reducer(), sizes))
-      for (std::size_t k = 0; k < slots; ++k)
+  access::restore(opt, static_cast<std::uint64_t>(st->step), [&opt, st, l] {
+    std::size_t const np = l.sizes.size();
+    for (auto const& q : detail::zero_pieces(access::wrapper(opt).reducer(), l.sizes))
+      for (std::size_t k = 0; k < l.kept(q.param); ++k)
         std::copy_n(st->values[k * np + q.param].data() + q.begin, q.end - q.begin, access::slot(opt, k, q.bucket) + q.at);
   });
 }

@@ -23,6 +23,7 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/optim/element.hpp>
@@ -58,6 +59,11 @@ struct zero_options {
   /// parameter i: a synchronised step that writes the gradient of a used parameter whose bucket
   /// was not waited for fails on every rank (the forward read stale values), naming it.
   bool overlap_gather = false;
+  /// F16/BF16 parameters: each rank keeps an F32 master copy of its shard of them (like
+  /// optim::optimizer_options::master_weights, 1/N of it), updates the master from the 16-bit
+  /// gradient shard widened to F32 and all-gathers the master rounded to nearest even. Without it
+  /// 16-bit parameters are refused.
+  bool master_weights = false;
 };
 
 /// ZeRO stage 1 over a wrapper whose reduce policy is policy::bucketed_reduce_scatter (the
@@ -76,7 +82,9 @@ struct zero_options {
 /// The rule is elementwise (optim::update_rule), so the parameters are bitwise those of DDP with
 /// the same rule applied to whole tensors, on the host and MPI engines (same reduction order), and
 /// on NCCL wherever its reduce-scatter sums in the all-reduce's order (two ranks always).
-/// Parameters must be f32 (16-bit parameters with master copies: not yet). The rule runs through
+/// Parameters are f32, or f16/bf16 with zero_options::master_weights (each rank then holds the F32
+/// master copy of its shard: bitwise DDP with optim::optimizer_options::master_weights, whose
+/// 16-bit gradient the reduce-scatter averages as the all-reduce does). The rule runs through
 /// optim::backend_kernels of the wrapper's backend: on the host for host::backend, as the CUDA
 /// optimizer kernels for cuda::backend (an optim::element_rule). The state is allocated at the
 /// first step (the bucket plan is final then); steps after it allocate no state or bucket memory.
@@ -102,16 +110,23 @@ class zero_redundancy_optimizer {
   using wrapper_type = Wrapper;
 
   /// Over the parameters of `w` (by reference: it must outlive the optimizer), with `rule`.
-  /// Throws invalid_argument naming the rank and parameter when a parameter is not f32.
+  /// Throws invalid_argument naming the rank and parameter when a parameter is neither f32 nor
+  /// (with opts.master_weights) f16/bf16. (Each gradient has its parameter's dtype: the wrapper
+  /// checked it.)
   explicit zero_redundancy_optimizer(Wrapper& w, Rule rule = Rule{}, zero_options opts = {})
       : w_(&w), rule_(std::move(rule)), opts_(opts) {
     auto const params = parameter_refs(w.module());
     param_count_ = params.size();
+    std::string const where = "zero_redundancy_optimizer on rank " + std::to_string(w.group().rank()) + ": parameter ";
     for (std::size_t i = 0; i < params.size(); ++i) {
-      detail::require(params[i].dtype() == dtype::f32,
-                      "zero_redundancy_optimizer on rank " + std::to_string(w.group().rank()) + ": parameter " +
-                          std::to_string(i) + " is " + std::string(name_of(params[i].dtype())) +
-                          ", expected F32 (the update rules work on F32 values)");
+      dtype const t = params[i].dtype();
+      bool const half = detail::is_half(t);
+      detail::require(t == dtype::f32 || (half && opts_.master_weights), [&] {
+        return where + std::to_string(i) + " is " + std::string(name_of(t)) +
+               (half ? "; 16-bit parameters are updated through an F32 master copy of each rank's shard: build the "
+                       "optimizer with zero_options{.master_weights = true}"
+                     : ", expected F32 (or F16/BF16 with zero_options::master_weights)");
+      });
     }
   }
 
@@ -136,18 +151,16 @@ class zero_redundancy_optimizer {
     if (i >= param_count_)
       throw invalid_argument("dparallel: zero_redundancy_optimizer::need: expected a parameter index below " +
                              std::to_string(param_count_) + ", found " + std::to_string(i));
-    if (any_pending_) complete(bucket_of_[i]);
+    if (pending_count_ != 0) complete(bucket_of_[i]);
   }
   /// Every parameter holds its updated value (every gather still in flight completed): before
   /// reading the parameters outside a step function (evaluation, a checkpoint, another optimizer).
   void wait_gathers() {
-    if (!any_pending_) return;
+    if (pending_count_ == 0) return;
     for (std::size_t b = pending_.size(); b-- > 0;) complete(b);
   }
   /// Buckets whose all-gather step() started and nothing has waited for yet.
-  [[nodiscard]] std::size_t pending_gathers() const noexcept {
-    return static_cast<std::size_t>(std::count(pending_.begin(), pending_.end(), char{1}));
-  }
+  [[nodiscard]] std::size_t pending_gathers() const noexcept { return pending_count_; }
 
   /// One update with learning rate `lr` from the gradient shards of the wrapper's last
   /// synchronised step; every rank must call it (it all-gathers). Throws invalid_argument when
@@ -187,8 +200,8 @@ class zero_redundancy_optimizer {
         for (std::size_t b = nb; b-- > 0;) {
           update_bucket(r, b, c);
           pending_[b] = 1;
+          ++pending_count_;
         }
-        any_pending_ = nb != 0;
         kernels::finish(w_->devices()[0]);  // the updates, before another stream's gather reads them
         return;
       }
@@ -238,6 +251,12 @@ class zero_redundancy_optimizer {
   [[nodiscard]] std::uint64_t steps() const noexcept { return steps_; }
   /// Bytes of optimizer state this rank holds (0 before the first step).
   [[nodiscard]] std::size_t state_bytes() const noexcept { return state_elements_ * sizeof(float); }
+  /// This rank's F32 master copy of its shard of bucket `b` (zero_options::master_weights, a
+  /// 16-bit bucket), shard_elements(b) values; empty before the first step and for F32 buckets.
+  [[nodiscard]] std::span<float const> master_shard(std::size_t b) const {
+    if (b >= masters_.size() || !masters_[b]) return {};
+    return {master_data(b), w_->reducer().shard_elements(b)};
+  }
   /// This rank's shard of state slot `slot` (Rule::slot_names[slot]) for bucket `b` of the
   /// wrapper's reducer, shard_elements(b) values (empty before the first step, and for slots
   /// the rule does not use: optim::active_slots).
@@ -252,10 +271,12 @@ class zero_redundancy_optimizer {
   using constants_type = typename Rule::step_constants;
 
   [[nodiscard]] float* slot_data(std::size_t i) const { return reinterpret_cast<float*>(slots_.at(i).get()); }
+  [[nodiscard]] float* master_data(std::size_t b) const { return reinterpret_cast<float*>(masters_.at(b).get()); }
 
   void allocate_state(reducer_type& r) {
     bucket_count_ = r.buckets().size();
     pending_.assign(bucket_count_, 0);
+    pending_count_ = 0;
     bucket_of_.assign(parameter_refs(w_->module()).size(), 0);
     for (std::size_t b = 0; b < bucket_count_; ++b)
       for (std::size_t i : r.buckets()[b].params) bucket_of_[i] = b;
@@ -272,6 +293,23 @@ class zero_redundancy_optimizer {
         state_elements_ += m;
       }
     }
+    // The master shards of the 16-bit buckets: this rank's piece of each parameter, widened.
+    masters_.assign(bucket_count_, nullptr);
+    for (std::size_t b = 0; b < bucket_count_; ++b) {
+      if (!detail::is_half(r.buckets()[b].dtype) || r.shard_elements(b) == 0) continue;
+      std::size_t const m = r.shard_elements(b), lo = r.shard_offset(b), valid = r.shard_valid(b);
+      masters_[b] = backend_type::allocate(w_->devices()[0], m * sizeof(float));  // zeroed: the padding
+      state_elements_ += m;
+      auto const& spec = r.buckets()[b];
+      auto const params = parameter_refs(w_->module());
+      for (std::size_t k = 0; k < spec.params.size(); ++k) {
+        tensor_ref const p = params[spec.params[k]];
+        std::size_t const first = spec.offsets[k];
+        std::size_t const a = std::max(first, lo), z = std::min(first + p.size(), lo + valid);
+        if (a < z) kernels::widen(master_data(b) + (a - lo), p.subview(a - first, z - a));
+      }
+    }
+    kernels::finish(w_->devices()[0]);
     if (restore_) {  // state loaded before the plan was final (optim/zero_checkpoint.hpp)
       auto const f = std::move(restore_);
       restore_ = nullptr;
@@ -280,13 +318,15 @@ class zero_redundancy_optimizer {
   }
 
   // Copies this rank's shard of the bucket's parameters into the storage, updates it, starts the
-  // all-gather of the storage.
+  // all-gather of the storage. A 16-bit bucket updates its F32 master shard instead and writes it
+  // into the storage rounded (kernels::apply_master): no copy in.
   void update_bucket(reducer_type& r, std::size_t b, constants_type const& c) {
     auto const& spec = r.buckets()[b];
     tensor_ref const storage = r.bucket_storage(b);
     if (storage.size() == 0) return;
     std::size_t const lo = r.shard_offset(b), valid = r.shard_valid(b), m = r.shard_elements(b);
-    for (std::size_t k = 0; k < spec.params.size(); ++k) {
+    bool const master = b < masters_.size() && masters_[b] != nullptr;
+    for (std::size_t k = 0; k < spec.params.size() && !master; ++k) {
       tensor_ref const p = params_[spec.params[k]];
       std::size_t const first = spec.offsets[k];
       std::size_t const a = std::max(first, lo), z = std::min(first + p.size(), lo + valid);
@@ -294,9 +334,11 @@ class zero_redundancy_optimizer {
     }
     std::array<float*, optim::detail::slot_array_size<Rule>> s{};
     for (std::size_t k = 0; k < active_; ++k) s[k] = slot_data(k * bucket_count_ + b);
-    if (valid != 0)
-      kernels::apply(rule_, c, storage.subview(lo, valid), r.grad_shard(b).subview(0, valid),
-                     std::span<float* const>(s.data(), Rule::slot_count));
+    std::span<float* const> const slots(s.data(), Rule::slot_count);
+    if (valid != 0 && master)
+      kernels::apply_master(rule_, c, storage.subview(lo, valid), r.grad_shard(b).subview(0, valid), master_data(b), slots);
+    else if (valid != 0)
+      kernels::apply(rule_, c, storage.subview(lo, valid), r.grad_shard(b).subview(0, valid), slots);
     works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));  // after the update: see step()
   }
 
@@ -304,6 +346,7 @@ class zero_redundancy_optimizer {
   void complete(std::size_t b) {
     if (b >= pending_.size() || !pending_[b]) return;
     pending_[b] = 0;
+    --pending_count_;
     try {
       works_[b].wait();
       copy_back(w_->reducer(), b);
@@ -314,7 +357,6 @@ class zero_redundancy_optimizer {
       w_->group().drain();  // the other gathers write into the buckets' storage
       throw;
     }
-    any_pending_ = std::count(pending_.begin(), pending_.end(), char{1}) != 0;
   }
 
   // The stage guard (overlap_gather): a synchronised step is about to write a gradient into bucket
@@ -351,7 +393,7 @@ class zero_redundancy_optimizer {
   Rule rule_;
   zero_options opts_;
   std::vector<char> pending_;            // overlap_gather: bucket b's gather started, not yet waited for
-  bool any_pending_ = false;
+  std::size_t pending_count_ = 0;        // how many pending_ entries are set
   std::size_t param_count_ = 0;
   std::vector<std::size_t> bucket_of_;   // parameter -> bucket
   std::uint64_t steps_ = 0;
@@ -362,6 +404,7 @@ class zero_redundancy_optimizer {
   std::size_t active_ = 0;  // slots the rule uses
   bool allocated_ = false;
   std::vector<std::shared_ptr<std::byte>> slots_;  // slot k of bucket b at k * bucket_count_ + b (Backend::allocate)
+  std::vector<std::shared_ptr<std::byte>> masters_;  // bucket b's F32 master shard; null for F32 buckets
   std::vector<tensor_ref> params_;
   std::vector<tensor_ref> shards_;  // gradient_shards()
   std::vector<work> works_;

@@ -6,6 +6,7 @@
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/detail/printable.hpp>
@@ -56,9 +57,13 @@ struct zero_state_access {
   /// Whether the state has been laid out (after the first step).
   template <class Z>
   static bool allocated(Z const& z) noexcept { return z.allocated_; }
-  /// Slot k's storage for bucket b.
+  /// Slot k's storage for bucket b; k = the slots the rule keeps: the bucket's F32 master shard
+  /// (zero_options::master_weights; null for an F32 bucket).
   template <class Z>
-  static float* slot(Z const& z, std::size_t k, std::size_t b) { return z.slot_data(k * z.bucket_count_ + b); }
+  static float* slot(Z const& z, std::size_t k, std::size_t b) {
+    if (k == z.active_) return b < z.masters_.size() && z.masters_[b] ? z.master_data(b) : nullptr;
+    return z.slot_data(k * z.bucket_count_ + b);
+  }
   /// Sets the step count and the state: at once when it is laid out, else at its allocation.
   template <class Z, class F>
   static void restore(Z& z, std::uint64_t steps, F fill) {
@@ -91,14 +96,23 @@ std::vector<zero_piece> zero_pieces(Reducer const& r, std::vector<std::size_t> c
   return out;
 }
 
-/// What the files say about the model: per parameter its name, shape and size.
+/// What the files say about the model: per parameter its name, shape, size and whether it has an
+/// F32 master copy (a 16-bit parameter). Slot k < slots is the rule's slot k; slot `slots` is the
+/// master copy, "<parameter name>.master" as optim::state_dict names it.
 struct zero_layout {
   std::vector<std::string> names;
   std::vector<std::optional<std::vector<std::uint64_t>>> shapes;
   std::vector<std::size_t> sizes;
+  std::vector<char> master;  // per parameter
   std::size_t slots = 0;  // slots the rule keeps
   std::vector<std::string_view> slot_names;
   std::string rule;
+  /// The slots parameter i has in the files: the rule's kept slots, and its master copy.
+  [[nodiscard]] std::size_t kept(std::size_t i) const { return slots + (master[i] ? 1 : 0); }
+  /// The name of slot k (k = slots: the master copy).
+  [[nodiscard]] std::string_view slot_name(std::size_t k) const { return k < slots ? slot_names[k] : master_slot_name; }
+  /// Room for every slot of every parameter, slot k of parameter i at k * P + i.
+  [[nodiscard]] std::size_t slot_tables() const { return (slots + 1) * sizes.size(); }
 };
 
 template <class Z>
@@ -110,6 +124,7 @@ zero_layout layout_of(Z& z) {
     l.names.push_back(all[i].name);
     l.shapes.push_back(all[i].shape);
     l.sizes.push_back(all[i].data.size());
+    l.master.push_back(dparallel::detail::is_half(all[i].data.dtype()) ? 1 : 0);
   }
   l.slots = active_slots(z.rule());
   using R = typename Z::rule_type;
@@ -171,13 +186,13 @@ inline zero_staged stage_gathered(std::filesystem::path const& path, zero_layout
   require_rule(file, l.rule, rank);
   std::size_t const np = l.sizes.size();
   zero_staged st;
-  st.values.resize(l.slots * np);
+  st.values.resize(l.slot_tables());
   std::vector<named_tensor> targets;
   for (std::size_t i = 0; i < np; ++i)
-    for (std::size_t k = 0; k < l.slots; ++k) {
+    for (std::size_t k = 0; k < l.kept(i); ++k) {
       auto& v = st.values[k * np + i];
       v.assign(l.sizes[i], 0.0f);
-      targets.push_back({l.names[i] + "." + std::string(l.slot_names[k]), view(v), l.shapes[i]});
+      targets.push_back({l.names[i] + "." + std::string(l.slot_name(k)), view(v), l.shapes[i]});
     }
   targets.push_back({l.rule + ".step", tensor_ref(&st.step, 1, dtype::i64, host_memory), std::vector<std::uint64_t>{1}});
   dparallel::detail::load_named(file, targets, {.strict = true},
@@ -247,7 +262,7 @@ inline zero_staged stage_shards(std::filesystem::path const& path, zero_layout c
   std::size_t const np = l.sizes.size();
   std::map<std::string, std::pair<std::size_t, std::size_t>, std::less<>> slot_of;  // name -> (parameter, slot)
   for (std::size_t i = 0; i < np; ++i)
-    for (std::size_t k = 0; k < l.slots; ++k) slot_of[l.names[i] + "." + std::string(l.slot_names[k])] = {i, k};
+    for (std::size_t k = 0; k < l.kept(i); ++k) slot_of[l.names[i] + "." + std::string(l.slot_name(k))] = {i, k};
   std::vector<safetensors_reader> files;
   std::vector<std::vector<file_piece>> pieces(np);
   std::optional<std::int64_t> step;
@@ -301,13 +316,13 @@ inline zero_staged stage_shards(std::filesystem::path const& path, zero_layout c
     if (!step) throw fail("it has no tensor " + in_quotes(pre + step_name));
   }
   zero_staged st;
-  st.values.resize(l.slots * np);
+  st.values.resize(l.slot_tables());
   st.step = *step;
   for (std::size_t i = 0; i < np; ++i) {
     std::sort(pieces[i].begin(), pieces[i].end(), [](auto const& a, auto const& b) {
       return a.slot != b.slot ? a.slot < b.slot : a.begin < b.begin;
     });
-    for (std::size_t k = 0, at = 0; k < l.slots; ++k) {
+    for (std::size_t k = 0, at = 0; k < l.kept(i); ++k) {
       std::uint64_t covered = 0;  // every element of the parameter exactly once, in order
       for (; at < pieces[i].size() && pieces[i][at].slot == k; ++at) {
         if (pieces[i][at].begin != covered) break;
@@ -316,7 +331,7 @@ inline zero_staged stage_shards(std::filesystem::path const& path, zero_layout c
       if (covered != l.sizes[i] || (at < pieces[i].size() && pieces[i][at].slot == k))
         throw error("dparallel: load_zero_state on rank " + rank + ": the shard set of " + std::to_string(world) +
                     " ranks for " + in_quotes(path.string()) + " covers tensor " +
-                    in_quotes(pre + l.names[i] + "." + std::string(l.slot_names[k])) + " only to element " +
+                    in_quotes(pre + l.names[i] + "." + std::string(l.slot_name(k))) + " only to element " +
                     std::to_string(covered) + " of " + std::to_string(l.sizes[i]) +
                     " contiguously (a gap or overlap: shard files of different saves?); nothing was loaded");
       st.values[k * np + i].assign(l.sizes[i], 0.0f);

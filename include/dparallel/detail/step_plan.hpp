@@ -1,0 +1,95 @@
+#pragma once
+// The parts of parallel<>'s step and construction that need only the shared replica_set: the
+// shard plan of a step, draining the streams, and the checks on a fresh replica.
+
+#include <dparallel/config.hpp>
+#include <dparallel/core/device.hpp>
+#include <dparallel/core/error.hpp>
+#include <dparallel/core/model.hpp>
+#include <dparallel/core/tensor_view.hpp>
+#include <dparallel/detail/replica_set.hpp>
+#include <dparallel/detail/typed_scratch.hpp>
+
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+DPARALLEL_NAMESPACE_BEGIN
+namespace detail {
+
+/// Asks `scatter` for the shard sizes of a `total`-sample batch over rs's devices and stores the
+/// plan (sizes, offsets, batch) in `rs`. The checks build their message only when they fail: this
+/// runs every step.
+template <class Scatter, class RS>
+void plan_step(Scatter& scatter, RS& rs, std::size_t total) {
+  if (total == 0) throw invalid_argument("dparallel: step: expected a batch of at least one sample, found an empty batch");
+  auto sizes = scatter.shard_sizes(total, rs.size(), rs.opts);
+  if (sizes.size() > rs.size())
+    throw invalid_argument("dparallel: step: the scatter policy returned " + std::to_string(sizes.size()) +
+                           " shards for " + std::to_string(rs.size()) + " devices");
+  sizes.resize(rs.size(), 0);
+  rs.batch = total;
+  rs.shard_sizes = std::move(sizes);
+  rs.shard_offsets.assign(rs.size(), 0);
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < rs.size(); ++i) {
+    rs.shard_offsets[i] = off;
+    off += rs.shard_sizes[i];
+  }
+  if (off != total)
+    throw invalid_argument("dparallel: step: the scatter policy's shard sizes sum to " + std::to_string(off) +
+                           ", expected the batch size " + std::to_string(total));
+}
+
+/// Waits for every stream, running on this thread the work no worker has started (where the
+/// backend's stream can: synchronize_here); rethrows the first error in device order.
+template <class Stream>
+void synchronize_streams(std::vector<std::unique_ptr<Stream>>& streams) {
+  std::exception_ptr first;
+  for (auto& s : streams) {
+    try {
+      if constexpr (requires { s->synchronize_here(); }) s->synchronize_here();
+      else s->synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+/// Waits for every stream and swallows their errors: for unwinding, where the exception in flight
+/// is the one to report but the queued work must finish before the step's locals go away.
+template <class Stream>
+void drain_streams(std::vector<std::unique_ptr<Stream>>& streams) noexcept {
+  for (auto& s : streams) {
+    try {
+      s->synchronize();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the exception in flight is the one to report
+    }
+  }
+}
+
+/// DataParallel's checks on the replica made for device i: a valid model with the master's
+/// parameter count, sizes and dtypes, and storage of its own.
+template <class RS>
+void check_replica(RS const& rs, std::size_t i) {
+  auto& r = *rs.models[i];
+  std::string const where = "parallel: the replica for " + to_string(rs.devices[i]);
+  verify_model(r, where);
+  auto const mp = parameter_refs(*rs.master);
+  auto const rp = parameter_refs(r);
+  require(mp.size() == rp.size(), where + " has " + std::to_string(rp.size()) + " parameters, expected the master's " +
+                                      std::to_string(mp.size()));
+  for (std::size_t k = 0; k < mp.size(); ++k) {
+    require(mp[k].size() == rp[k].size() && mp[k].dtype() == rp[k].dtype(),
+            where + ": parameter " + std::to_string(k) + " differs from the master's in size or dtype");
+    require(!overlaps(mp[k], rp[k]), where + ": parameter " + std::to_string(k) +
+                                         " shares storage with the master's; a replica needs its own storage (give "
+                                         "the model make_replica if copying it aliases)");
+  }
+}
+
+}  // namespace detail
+DPARALLEL_NAMESPACE_END
