@@ -71,10 +71,10 @@ struct zero_options {
 /// holds 1/N of it (plus at most N - 1 elements of padding per bucket and slot).
 ///
 /// step(lr), after the wrapper's synchronised step(): for each bucket in launch order, this rank's
-/// shard of the parameters is copied into the bucket's storage, updated by the rule from the
-/// rank's averaged gradient shard and state shard, and an all-gather of the bucket's storage is
-/// started; then, bucket by bucket as the all-gathers complete, every parameter is copied back
-/// from the storage. The update of a bucket overlaps the all-gathers of the buckets before it;
+/// shard of the parameters is updated in place by the rule from the rank's averaged gradient shard
+/// and state shard, copied into the bucket's storage, and an all-gather of the storage is started;
+/// then, bucket by bucket as the all-gathers complete, the elements the other ranks updated are
+/// copied into the parameters. The update of a bucket overlaps the all-gathers of the buckets before it;
 /// step() returns when every parameter is updated, or, with zero_options::overlap_gather, once
 /// every gather is started (buckets in reverse, so that the first layers' parameters, which the
 /// forward reads first, are gathered first): the gathers then overlap the next forward.
@@ -317,28 +317,33 @@ class zero_redundancy_optimizer {
     }
   }
 
-  // Copies this rank's shard of the bucket's parameters into the storage, updates it, starts the
-  // all-gather of the storage. A 16-bit bucket updates its F32 master shard instead and writes it
-  // into the storage rounded (kernels::apply_master): no copy in.
+  // Updates this rank's shard of the bucket where it lies, in the parameters (piece by piece: the
+  // shard covers parts of one or more parameters), copies the updated pieces into the storage and
+  // starts the all-gather of the storage. Updating in place lets copy_back skip this rank's own
+  // elements: per step the parameters are read and written once less than by an update in the
+  // storage. A 16-bit bucket updates its F32 master shard and writes the pieces rounded
+  // (kernels::apply_master). The rule is elementwise: the same bits as one update of the shard.
   void update_bucket(reducer_type& r, std::size_t b, constants_type const& c) {
     auto const& spec = r.buckets()[b];
     tensor_ref const storage = r.bucket_storage(b);
     if (storage.size() == 0) return;
     std::size_t const lo = r.shard_offset(b), valid = r.shard_valid(b), m = r.shard_elements(b);
     bool const master = b < masters_.size() && masters_[b] != nullptr;
-    for (std::size_t k = 0; k < spec.params.size() && !master; ++k) {
+    tensor_ref const grad = r.grad_shard(b);
+    std::array<float*, optim::detail::slot_array_size<Rule>> s{};
+    for (std::size_t k = 0; k < spec.params.size(); ++k) {
       tensor_ref const p = params_[spec.params[k]];
       std::size_t const first = spec.offsets[k];
       std::size_t const a = std::max(first, lo), z = std::min(first + p.size(), lo + valid);
-      if (a < z) kernels::copy(storage.subview(a, z - a), p.subview(a - first, z - a));
+      if (a >= z) continue;
+      std::size_t const at = a - lo, n = z - a;  // the piece's place in the shard, its length
+      for (std::size_t q = 0; q < active_; ++q) s[q] = slot_data(q * bucket_count_ + b) + at;
+      std::span<float* const> const slots(s.data(), Rule::slot_count);
+      tensor_ref const piece = p.subview(a - first, n);
+      if (master) kernels::apply_master(rule_, c, piece, grad.subview(at, n), master_data(b) + at, slots);
+      else kernels::apply(rule_, c, piece, grad.subview(at, n), slots);
+      kernels::copy(storage.subview(a, n), piece);
     }
-    std::array<float*, optim::detail::slot_array_size<Rule>> s{};
-    for (std::size_t k = 0; k < active_; ++k) s[k] = slot_data(k * bucket_count_ + b);
-    std::span<float* const> const slots(s.data(), Rule::slot_count);
-    if (valid != 0 && master)
-      kernels::apply_master(rule_, c, storage.subview(lo, valid), r.grad_shard(b).subview(0, valid), master_data(b), slots);
-    else if (valid != 0)
-      kernels::apply(rule_, c, storage.subview(lo, valid), r.grad_shard(b).subview(0, valid), slots);
     works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));  // after the update: see step()
   }
 
@@ -379,13 +384,20 @@ class zero_redundancy_optimizer {
                            "opt.wait_gathers() before the step)");
   }
 
-  // Every parameter of bucket b from the gathered storage.
+  // Every parameter element of bucket b that other ranks updated, from the gathered storage (this
+  // rank's own were updated in place by update_bucket).
   void copy_back(reducer_type const& r, std::size_t b) {
     auto const& spec = r.buckets()[b];
     tensor_ref const storage = r.bucket_storage(b);
+    std::size_t const lo = r.shard_offset(b), hi = lo + r.shard_valid(b);  // this rank's own elements
     for (std::size_t k = 0; k < spec.params.size(); ++k) {
       tensor_ref const p = params_[spec.params[k]];
-      if (p.size() != 0) kernels::copy(p, storage.subview(spec.offsets[k], p.size()));
+      std::size_t const first = spec.offsets[k], last = first + p.size();
+      auto const from_storage = [&](std::size_t x, std::size_t y) {  // bucket elements [x, y)
+        if (x < y) kernels::copy(p.subview(x - first, y - x), storage.subview(x, y - x));
+      };
+      from_storage(first, std::min(last, std::max(first, lo)));  // before the own shard
+      from_storage(std::max(first, std::min(last, hi)), last);   // after it
     }
   }
 
