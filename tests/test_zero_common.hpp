@@ -192,7 +192,7 @@ struct half_chunked {
 
 /// The bits of every parameter, in order.
 template <class M>
-std::vector<std::uint16_t> bits_of(M& m) {
+std::vector<std::uint16_t> half_bits(M& m) {
   std::vector<std::uint16_t> out;
   for (auto const& v : m.w)
     for (auto x : v) out.push_back(x.bits);
@@ -240,7 +240,7 @@ half_run train_half_rank(dparallel::process_group const& group, bool zero, bool 
     dparallel::optim::optimizer opt(w, adam_like{}, {.master_weights = true});
     train(w, opt);
   }
-  out.bits = bits_of(m);
+  out.bits = half_bits(m);
   return out;
 }
 
