@@ -22,7 +22,10 @@
 // the mode actually got: on a busy machine a 2-device mode may get fewer than 2, and then its
 // throughput says little), cpu_efficiency = single's CPU time per sample / the mode's (the
 // work parallelism adds: copies, reductions, synchronisation; 1 = none), and
-// min_cpu_us_per_sample, the least CPU time per sample of any round.
+// min_cpu_us_per_sample, the least CPU time per sample of any round. The modes `apart` and
+// `lockstep` run the ranks' work without the library (independent models, nothing exchanged;
+// lockstep adds a barrier per step): what the machine's cores give, against which ddp's speed-up
+// separates the library's cost from the machine's.
 //
 // Built a second time as scaling_mpi (DPARALLEL_BENCH_MPI): under `mpirun -np N` it measures DDP
 // over the N MPI processes and writes one CSV that `scaling --mpi FILE` adds to its table.
@@ -49,6 +52,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -59,8 +63,10 @@ namespace {
 char const* const usage =
     "usage: scaling [--batches 128,512] [--devices 2] [--steps 200] [--warmup 20] [--reps 3]\n"
     "               [--modes single,dp,ddp] [--data DIR] [--csv FILE] [--mpi FILE]\n"
-    "  --modes    single, dp, ddp, zero (ZeRO-1 over the ddp ranks), whole, torch; single, dp, ddp and zero\n"
-    "             may end in @N: passes of N samples\n"
+    "  --modes    single, dp, ddp, ddp_view (ddp with gradient_as_bucket_view), zero (ZeRO-1 over the ddp\n"
+    "             ranks), whole, torch; single, dp, ddp, ddp_view and zero may end in @N: passes of N samples; apart (each of --devices threads trains its own model\n"
+    "             on its share of each batch, nothing exchanged) and lockstep (the same, meeting at a barrier\n"
+    "             each step): the machine's capacity for the ranks' work, without the library\n"
     "  --batches  global batch sizes (default 128,512)\n"
     "  --devices  devices (dp) and thread ranks (ddp) (default 2)\n"
     "  --steps    timed steps per measurement, after --warmup untimed ones (default 200, 20)\n"
@@ -145,7 +151,10 @@ measurement run_dp(workload const& w, config const& c, std::size_t b, int device
 /// DDP over `ranks` thread ranks (the example's SGD over each replica), or with `zero` ZeRO-1
 /// (ddp_zero1 + zero_redundancy_optimizer with optim::sgd: each rank updates its shard, the
 /// parameters all-gathered): the same arithmetic, so the same bits, and the same bytes moved.
-measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks, std::size_t block, bool zero = false) {
+/// With `view`, DDP all-reduces the model's gradient buffer in place (options::gradient_as_bucket_view:
+/// no copies into bucket storage and back).
+measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks, std::size_t block, bool zero = false,
+                    bool view = false) {
   std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
   std::barrier sync(ranks);
   measurement result;
@@ -176,10 +185,51 @@ measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks
       dp::zero_redundancy_optimizer opt(z, dp::optim::sgd());
       run(z, [&] { opt.step(c.lr); });
     } else {
-      dp::distributed_data_parallel<mlp> ddp(model, rank.group());
+      dp::distributed_data_parallel<mlp> ddp(model, rank.group(), {.gradient_as_bucket_view = view});
       run(ddp, [&] { sgd(ddp.module(), c.lr); });
     }
   });
+  return result;
+}
+
+/// `ranks` threads that each train a model of their own on their share of every batch (rank r:
+/// rows [r b/ranks, (r+1) b/ranks), as DDP's ranks) with nothing exchanged: what the machine
+/// gives `ranks` copies of a rank's work (`apart`). With `lockstep` the threads also meet at a
+/// barrier after every step, as the ranks of any synchronous data-parallel step must (no data
+/// moved): the cost of waiting for the slower core each step. DDP's speed-up over these is the
+/// share of the machine's parallel capacity left after the library's reduction and hand-overs.
+measurement run_apart(workload const& w, config const& c, std::size_t b, int ranks, bool lockstep) {
+  std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
+  std::barrier sync(ranks);
+  measurement result;
+  double cpu0 = 0;
+  bench::clock::time_point t0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) {
+    threads.emplace_back([&, r] {
+      mlp model(c.seed);
+      auto const first = static_cast<std::size_t>(r) * per_rank;
+      auto const step = [&](std::size_t j) {
+        model.forward_backward(w.part(j, b, first, per_rank));
+        sgd(model, c.lr);
+        if (lockstep) sync.arrive_and_wait();
+      };
+      for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+      sync.arrive_and_wait();
+      if (r == 0) {
+        cpu0 = process_cpu_seconds();
+        t0 = bench::clock::now();
+      }
+      for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+      sync.arrive_and_wait();
+      if (r == 0) {
+        double const wall = bench::seconds_since(t0);
+        auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
+        result = {samples / wall, (process_cpu_seconds() - cpu0) / samples};
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
   return result;
 }
 
@@ -294,6 +344,8 @@ int main(int argc, char** argv) {
         else if (kind == "dp") v = run_dp(w, c, b, devices, block);
         else if (kind == "ddp") v = run_ddp(w, c, b, devices, block);
         else if (kind == "zero") v = run_ddp(w, c, b, devices, block, true);
+        else if (kind == "ddp_view") v = run_ddp(w, c, b, devices, block, false, true);
+        else if (m == "apart" || m == "lockstep") v = run_apart(w, c, b, devices, m == "lockstep");
         else if (m == "torch" && !torch.empty()) v = run_torch(torch, dir, c, b);
         else {
           std::fprintf(stderr, "scaling: unknown mode '%s' (single, dp, ddp; torch with --torch)\n", m.c_str());

@@ -57,7 +57,18 @@ struct mlp {
 
   // Row-major: w1 is inputs x hidden, w2 is hidden x classes; a layer computes x W + b.
   std::vector<float> w1, b1, w2, b2;
-  std::vector<float> gw1, gb1, gw2, gb2;  // gradients of the mean loss of the last forward_backward
+  // The gradients of the mean loss of the last forward_backward, in one buffer: gw1, gb1, gw2, gb2
+  // back to back (what DDP's options::gradient_as_bucket_view all-reduces in place).
+  std::vector<float> grads;
+  /// Gradient k (0: w1, 1: b1, 2: w2, 3: b2) as a view of `grads`.
+  [[nodiscard]] dparallel::tensor_view<float> gradient(std::size_t k) {
+    return {grads.data() + grad_offset(k), grad_size(k)};
+  }
+  static constexpr std::size_t grad_size(std::size_t k) {
+    return k == 0 ? inputs * hidden : k == 1 ? hidden : k == 2 ? hidden * classes : classes;
+  }
+  static constexpr std::size_t grad_offset(std::size_t k) { return k == 0 ? 0 : grad_offset(k - 1) + grad_size(k - 1); }
+  static constexpr std::size_t grad_total = inputs * hidden + hidden + hidden * classes + classes;
 
   /// Deterministic initialisation from `seed`: He-uniform for the ReLU layer, Glorot-uniform for
   /// the output layer, zero biases.
@@ -66,10 +77,7 @@ struct mlp {
         b1(hidden, 0.0f),
         w2(hidden * classes),
         b2(classes, 0.0f),
-        gw1(w1.size()),
-        gb1(b1.size()),
-        gw2(w2.size()),
-        gb2(b2.size()) {
+        grads(grad_total) {
     splitmix64 rng(seed);
     auto fill = [&](std::vector<float>& w, float limit) {
       for (float& x : w) x = (2.0f * rng.uniform() - 1.0f) * limit;
@@ -96,8 +104,8 @@ struct mlp {
   /// This model's blocking (see forward_backward).
   blocking split;
 
-  /// Forward and backward over `b`: leaves the gradient of the mean loss over `b` in gw1..gb2
-  /// (overwriting them) and returns that mean loss.
+  /// Forward and backward over `b`: leaves the gradient of the mean loss over `b` in `grads`
+  /// (overwriting it) and returns that mean loss.
   ///
   /// The batch is cut into `split.parts` parts, each part into passes of at most `split.block`
   /// samples. The passes of a part are summed pairwise, ((g0 + g1) + (g2 + g3)) + ..., the tree
@@ -152,10 +160,9 @@ struct mlp {
     float *w1, *b1, *w2, *b2;
   };
   grad_set level(std::size_t k) {
-    if (k == 0) return {gw1.data(), gb1.data(), gw2.data(), gb2.data()};
-    while (scratch_.size() < k) scratch_.emplace_back(gw1.size() + gb1.size() + gw2.size() + gb2.size());
-    float* p = scratch_[k - 1].data();
-    return {p, p + gw1.size(), p + gw1.size() + gb1.size(), p + gw1.size() + gb1.size() + gw2.size()};
+    while (k > 0 && scratch_.size() < k) scratch_.emplace_back(grad_total);
+    float* p = k == 0 ? grads.data() : scratch_[k - 1].data();  // both laid out as grads
+    return {p + grad_offset(0), p + grad_offset(1), p + grad_offset(2), p + grad_offset(3)};
   }
   // A sum of terms over scratch levels from `base` up, in host::weighted_sum's pairwise tree or in
   // order: a term is written at level top(), then push() merges it; fold() leaves the sum at `base`.
@@ -181,10 +188,10 @@ struct mlp {
     auto sum = [](float* d, float const* s, std::size_t count) {
       for (std::size_t i = 0; i < count; ++i) d[i] += s[i];
     };
-    sum(into.w1, from.w1, gw1.size());
-    sum(into.b1, from.b1, gb1.size());
-    sum(into.w2, from.w2, gw2.size());
-    sum(into.b2, from.b2, gb2.size());
+    sum(into.w1, from.w1, grad_size(0));
+    sum(into.b1, from.b1, grad_size(1));
+    sum(into.w2, from.w2, grad_size(2));
+    sum(into.b2, from.b2, grad_size(3));
   }
 
   // Forward and backward over samples [first, first + m) of `b`; writes their contribution to the
@@ -293,7 +300,7 @@ struct dparallel::model_traits<mlp> {
     return std::array{dparallel::view(m.w1), dparallel::view(m.b1), dparallel::view(m.w2), dparallel::view(m.b2)};
   }
   static auto gradients(mlp& m) {
-    return std::array{dparallel::view(m.gw1), dparallel::view(m.gb1), dparallel::view(m.gw2), dparallel::view(m.gb2)};
+    return std::array{m.gradient(0), m.gradient(1), m.gradient(2), m.gradient(3)};
   }
   static auto parameter_names(mlp&) { return std::array{"w1", "b1", "w2", "b2"}; }
   static auto parameter_shapes(mlp&) {

@@ -58,41 +58,15 @@ std::vector<float> bits_of(model const& m) {
   return out;
 }
 
-/// Every rank's parameters after `steps` steps of `rule`: with zero, ddp_zero1 and
-/// zero_redundancy_optimizer; without, ddp and optim::optimizer.
-template <class Rule>
-std::vector<std::vector<float>> train(bool zero, Rule const& rule, dpl::options opts) {
-  auto const gpus = world_gpus();
-  auto groups = dpl::nccl::make_groups(gpus);
-  auto const world = gpus.size();
-  std::vector<std::vector<float>> out(world);
+/// Runs fn(r) on one thread per rank r of `world`; rethrows the first rank's failure.
+template <class F>
+void on_ranks(std::size_t world, F fn) {
   std::vector<std::exception_ptr> failed(world);
   std::vector<std::thread> ranks;
   for (std::size_t r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
       try {
-        dpl::options o = opts;  // one per rank thread
-        o.local_device = gpus[r];
-        model m(dim, 3, gpus[r]);
-        auto run = [&](auto& w, auto& opt) {
-          for (int t = 1; t <= steps; ++t) {
-            auto const d = test::dataset<float>::make(rows_per_rank * world, dim, 70 + static_cast<std::uint64_t>(t), false);
-            w.step(dpl::slice_batch(d.all(), r * rows_per_rank, (r + 1) * rows_per_rank),
-                   [](model& x, test::samples<float> s) { return x.forward_backward(s); });
-            opt.step(w, lr_at(t));
-          }
-        };
-        if (zero) {
-          dpl::parallel<model, dpl::ddp_zero1, gpu> w(m, groups[r], o);
-          dpl::zero_redundancy_optimizer opt(w, rule);
-          run(w, opt);
-        } else {
-          dpl::parallel<model, dpl::ddp, gpu> w(m, groups[r], o);
-          optim::optimizer<Rule, gpu> opt(w, rule);
-          run(w, opt);
-        }
-        dpl::cuda::check(cudaDeviceSynchronize(), "test");
-        out[r] = bits_of(m);
+        fn(r);
       } catch (...) {
         failed[r] = std::current_exception();
       }
@@ -101,6 +75,40 @@ std::vector<std::vector<float>> train(bool zero, Rule const& rule, dpl::options 
   for (auto& t : ranks) t.join();
   for (auto const& e : failed)
     if (e) std::rethrow_exception(e);
+}
+
+/// Every rank's parameters after `steps` steps of `rule`: with zero, ddp_zero1 and
+/// zero_redundancy_optimizer; without, ddp and optim::optimizer.
+template <class Rule>
+std::vector<std::vector<float>> train(bool zero, Rule const& rule, dpl::options opts) {
+  auto const gpus = world_gpus();
+  auto groups = dpl::nccl::make_groups(gpus);
+  auto const world = gpus.size();
+  std::vector<std::vector<float>> out(world);
+  on_ranks(world, [&](std::size_t r) {
+    dpl::options o = opts;  // one per rank thread
+    o.local_device = gpus[r];
+    model m(dim, 3, gpus[r]);
+    auto run = [&](auto& w, auto& opt) {
+      for (int t = 1; t <= steps; ++t) {
+        auto const d = test::dataset<float>::make(rows_per_rank * world, dim, 70 + static_cast<std::uint64_t>(t), false);
+        w.step(dpl::slice_batch(d.all(), r * rows_per_rank, (r + 1) * rows_per_rank),
+               [](model& x, test::samples<float> s) { return x.forward_backward(s); });
+        opt.step(w, lr_at(t));
+      }
+    };
+    if (zero) {
+      dpl::parallel<model, dpl::ddp_zero1, gpu> w(m, groups[r], o);
+      dpl::zero_redundancy_optimizer opt(w, rule);
+      run(w, opt);
+    } else {
+      dpl::parallel<model, dpl::ddp, gpu> w(m, groups[r], o);
+      optim::optimizer<Rule, gpu> opt(w, rule);
+      run(w, opt);
+    }
+    dpl::cuda::check(cudaDeviceSynchronize(), "test");
+    out[r] = bits_of(m);
+  });
   return out;
 }
 
@@ -185,39 +193,28 @@ std::vector<std::vector<std::uint16_t>> train_half(bool zero, dpl::options opts)
   auto const world = gpus.size();
   optim::adamw const rule({.weight_decay = 0.05});
   std::vector<std::vector<std::uint16_t>> out(world);
-  std::vector<std::exception_ptr> failed(world);
-  std::vector<std::thread> ranks;
-  for (std::size_t r = 0; r < world; ++r) {
-    ranks.emplace_back([&, r] {
-      try {
-        dpl::options o = opts;
-        o.local_device = gpus[r];
-        gpu_half m(gpus[r], 7 + r);  // differs until broadcast
-        auto run = [&](auto& w, auto& opt) {
-          for (int t = 1; t <= steps; ++t) {
-            auto const d = test::dataset<float>::make(4 * world, m.host.dim, static_cast<std::uint64_t>(t), false);
-            w.step(dpl::slice_batch(d.all(), r * 4, (r + 1) * 4), [](gpu_half& x, test::samples<float> s) { x.forward_backward(s); });
-            opt.step(w, lr_at(t));
-          }
-        };
-        if (zero) {
-          dpl::parallel<gpu_half, dpl::ddp_zero1, gpu> w(m, groups[r], o);
-          dpl::zero_redundancy_optimizer opt(w, rule, {.master_weights = true});
-          run(w, opt);
-        } else {
-          dpl::parallel<gpu_half, dpl::ddp, gpu> w(m, groups[r], o);
-          optim::optimizer<optim::adamw, gpu> opt(w, rule, {.master_weights = true});
-          run(w, opt);
-        }
-        out[r] = m.bits();
-      } catch (...) {
-        failed[r] = std::current_exception();
+  on_ranks(world, [&](std::size_t r) {
+    dpl::options o = opts;
+    o.local_device = gpus[r];
+    gpu_half m(gpus[r], 7 + r);  // differs until broadcast
+    auto run = [&](auto& w, auto& opt) {
+      for (int t = 1; t <= steps; ++t) {
+        auto const d = test::dataset<float>::make(4 * world, m.host.dim, static_cast<std::uint64_t>(t), false);
+        w.step(dpl::slice_batch(d.all(), r * 4, (r + 1) * 4), [](gpu_half& x, test::samples<float> s) { x.forward_backward(s); });
+        opt.step(w, lr_at(t));
       }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  for (auto const& e : failed)
-    if (e) std::rethrow_exception(e);
+    };
+    if (zero) {
+      dpl::parallel<gpu_half, dpl::ddp_zero1, gpu> w(m, groups[r], o);
+      dpl::zero_redundancy_optimizer opt(w, rule, {.master_weights = true});
+      run(w, opt);
+    } else {
+      dpl::parallel<gpu_half, dpl::ddp, gpu> w(m, groups[r], o);
+      optim::optimizer<optim::adamw, gpu> opt(w, rule, {.master_weights = true});
+      run(w, opt);
+    }
+    out[r] = m.bits();
+  });
   return out;
 }
 
