@@ -295,13 +295,13 @@ class zero_redundancy_optimizer {
     }
     // The master shards of the 16-bit buckets: this rank's piece of each parameter, widened.
     masters_.assign(bucket_count_, nullptr);
+    auto const params = parameter_refs(w_->module());
     for (std::size_t b = 0; b < bucket_count_; ++b) {
       if (!detail::is_half(r.buckets()[b].dtype) || r.shard_elements(b) == 0) continue;
       std::size_t const m = r.shard_elements(b), lo = r.shard_offset(b), valid = r.shard_valid(b);
       masters_[b] = backend_type::allocate(w_->devices()[0], m * sizeof(float));  // zeroed: the padding
       state_elements_ += m;
       auto const& spec = r.buckets()[b];
-      auto const params = parameter_refs(w_->module());
       for (std::size_t k = 0; k < spec.params.size(); ++k) {
         tensor_ref const p = params[spec.params[k]];
         std::size_t const first = spec.offsets[k];
