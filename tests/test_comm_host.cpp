@@ -256,7 +256,8 @@ void check_collective(std::vector<dp::process_group>& groups, kind k, std::size_
 using test::thread_count;
 using test::thread_count_settled;
 
-// The largest size takes the two-phase path (over 64 KiB per rank). Under a sanitizer, which
+// The largest size takes the two-phase path (over 64 KiB per rank), in many 64 KiB stripes and a
+// short last one (for_each_stripe). Under a sanitizer, which
 // makes every element access ~10x dearer, it is smaller but still two-phase for every rank count.
 #if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
 constexpr std::size_t largest = (std::size_t{1} << 18) + 3;
@@ -264,10 +265,10 @@ constexpr std::size_t largest = (std::size_t{1} << 18) + 3;
 #if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
 constexpr std::size_t largest = (std::size_t{1} << 18) + 3;
 #else
-constexpr std::size_t largest = std::size_t{1} << 20;
+constexpr std::size_t largest = (std::size_t{1} << 20) + 3;
 #endif
 #else
-constexpr std::size_t largest = std::size_t{1} << 20;
+constexpr std::size_t largest = (std::size_t{1} << 20) + 3;
 #endif
 constexpr std::array<std::size_t, 5> sizes{0, 1, 7, 1000, largest};
 

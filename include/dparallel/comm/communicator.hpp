@@ -84,13 +84,16 @@ class communicator_interface {
   virtual void set_timeout(std::chrono::milliseconds t) = 0;
   [[nodiscard]] virtual std::uint64_t completed_ops() const = 0;
   virtual void drain() = 0;
+  virtual void hold() = 0;
+  virtual void release() = 0;
   /// Every parent rank calls it with the same plan (but its own place): this rank's subgroup,
   /// empty when it is in none.
   virtual process_group subgroup(subgroup_plan const& plan) = 0;
 };
 
-/// Wraps a communicator C. Members C may lack (timeout, set_timeout, completed_ops, drain) get
-/// neutral stand-ins: a stored timeout, 0 completed operations, a drain that returns at once.
+/// Wraps a communicator C. Members C may lack (timeout, set_timeout, completed_ops, drain, hold,
+/// release) get neutral stand-ins: a stored timeout, 0 completed operations, a drain that returns
+/// at once, a hold and release that do nothing.
 template <communicator C>
 class communicator_model final : public communicator_interface {
  public:
@@ -128,6 +131,12 @@ class communicator_model final : public communicator_interface {
   }
   void drain() override {
     if constexpr (requires { c_->drain(); }) c_->drain();
+  }
+  void hold() override {
+    if constexpr (requires { c_->hold(); }) c_->hold();
+  }
+  void release() override {
+    if constexpr (requires { c_->release(); }) c_->release();
   }
   process_group subgroup(subgroup_plan const& plan) override;
 
@@ -215,6 +224,15 @@ class process_group {
   /// rethrows their failures. Use it before freeing the buffers of works nobody will wait on
   /// (after abort(), when giving up: the pending collectives then fail at once).
   void drain() const { get().drain(); }
+
+  /// A hint for a caller that issues a few collectives and then only waits for them: those issued
+  /// from now on may stay queued, for the next drain() to run them on the calling thread (no
+  /// hand-off to a communication thread); release() hands them back. Wait for them with drain()
+  /// (or release() first): until one of the two, their works may not complete. Engines without
+  /// such a thread ignore it (the host engine has one).
+  void hold() const { get().hold(); }
+  /// Ends a hold().
+  void release() const { get().release(); }
 
  private:
   [[nodiscard]] detail::communicator_interface& get() const {

@@ -4,9 +4,10 @@
 //
 // Each rank's communicator owns a communication thread (its "comm stream") that runs the rank's
 // collectives in the order they were issued; a call returns a work at once. For an all_reduce of
-// L elements over n ranks, rank r reduces elements [r*L/n, (r+1)*L/n) of every rank's buffer, in
-// rank order 0..n-1, and writes the result into that slice of every rank's buffer; the ranks then
-// meet before their works complete. Messages of at most 64 KiB per rank take a one-meeting path
+// L elements over n ranks, rank r reduces its share of the elements of every rank's buffer (64 KiB
+// stripes dealt out round robin: rank r takes stripes r, r + n, ...; for_each_stripe says why), in
+// rank order 0..n-1, and writes the result into those elements of every rank's buffer; the ranks
+// then meet before their works complete. Messages of at most 64 KiB per rank take a one-meeting path
 // (the rank that arrives last computes every slice, element by element the same sums), which
 // keeps the latency of small collectives low. Results are therefore the same bits on every rank,
 // on either path and from run to run. reduce, broadcast, reduce_scatter and all_gather work the same way; reductions take
@@ -153,6 +154,15 @@ class communicator {
   void drain() {
     queue_.help_until_idle([] {});
   }
+
+  /// When no collective of this rank is pending, the ones issued from now on do not wake the
+  /// communication thread: the next drain() runs them on its caller, release() hands them to the
+  /// thread (with some pending, nothing changes: they are the thread's to run). For a caller that
+  /// issues a few collectives and then only waits for them (DDP's flush after backward): no
+  /// hand-off and no wake-up per step. Their works complete only once one of the two is called.
+  void hold() { (void)queue_.hold_if_idle(); }
+  /// Ends a hold(): the communication thread runs what was held.
+  void release() { queue_.release(); }
 
   /// This rank's subgroup of a split of this group (see process_group::split), sharing this
   /// group's timeout; empty when the rank is in none. Every rank calls it, with the same plan.

@@ -13,7 +13,7 @@
 //   in order, whoever runs it: a token passes between the worker and the helper), so work that the
 //   worker has not picked up yet costs no hand-off and no wake-up;
 // - hold() keeps the worker asleep for the tasks pushed from then on, for an owner that will call
-//   help_until_idle (which runs them) or wait_idle (which wakes the worker) next;
+//   help_until_idle (which runs them), wait_idle or release() (which wake the worker) next;
 // - stop() lets the worker finish the queued tasks, then joins it (the destructor does too).
 // Every wait spins within the spin budget before it blocks (core/spin.hpp).
 
@@ -65,6 +65,24 @@ class task_queue {
     held_.store(true, std::memory_order_relaxed);
   }
 
+  /// hold() when no task is pending (those pushed before stay the worker's); true when it held.
+  bool hold_if_idle() {
+    std::lock_guard lock(m_);
+    if (pending_.load(std::memory_order_relaxed) != 0) return false;
+    held_.store(true, std::memory_order_relaxed);
+    return true;
+  }
+
+  /// Ends a hold(): the worker takes the held tasks (and is woken for them).
+  void release() {
+    {
+      std::lock_guard lock(m_);
+      if (!held_.load(std::memory_order_relaxed)) return;
+      held_.store(false, std::memory_order_relaxed);
+    }
+    cv_.notify_all();
+  }
+
   /// Runs f() under the queue's mutex: for owner state that the handler and retire() share.
   template <class F>
   decltype(auto) locked(F&& f) {
@@ -86,7 +104,7 @@ class task_queue {
   /// Blocks until every task pushed so far is retired, then returns f() run under the mutex.
   template <class F>
   decltype(auto) wait_idle(F&& f) {
-    release_hold();
+    release();
     spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
     std::unique_lock lock(m_);
     idle_.wait(lock, [&] { return pending_.load(std::memory_order_relaxed) == 0; });
@@ -142,16 +160,6 @@ class task_queue {
     queue_.pop_front();
     queued_.fetch_sub(1, std::memory_order_relaxed);
     return t;
-  }
-
-  // Ends a hold: the worker takes the held tasks.
-  void release_hold() {
-    {
-      std::lock_guard lock(m_);
-      if (!held_.load(std::memory_order_relaxed)) return;
-      held_.store(false, std::memory_order_relaxed);
-    }
-    cv_.notify_all();
   }
 
   void run() {

@@ -406,8 +406,24 @@ class bucketed_reduce {
   // Runs on the replica's stream after the step function: flush, wait, write back, rebuild once.
   template <class Set>
   void finalize(Set& s) {
-    using ops = typename Set::backend_type::immediate;
     std::size_t const n = ready_.size();
+    // The buckets flushed below are waited for at once (drain): they need not wake the group's
+    // communication thread (a hook may wait for its own collectives inside, so not with one).
+    bool const held = s.sync && !hook_.active();
+    if (held) s.group.hold();
+    try {
+      flush(s, n);
+    } catch (...) {
+      if (held) s.group.release();  // the step fails: what was issued runs as it would have
+      throw;
+    }
+    if (!s.sync) return;
+    finish(s, n);
+  }
+
+  // finalize's first half: every gradient not marked yet is staged and its bucket issued.
+  template <class Set>
+  void flush(Set& s, std::size_t n) {
     if (used_hook_) {
       auto& unused = unused_;
       unused.clear();
@@ -430,8 +446,13 @@ class bucketed_reduce {
     if (!s.sync) {
       accumulated_ += s.batch;
       first_accumulation_ = false;
-      return;
     }
+  }
+
+  // finalize's second half, after a synchronised flush: wait, write back, rebuild once.
+  template <class Set>
+  void finish(Set& s, std::size_t n) {
+    using ops = typename Set::backend_type::immediate;
     accumulated_ = 0;
     // One blocking wait for every bucket: drain() (the host communicator runs the collectives its
     // thread has not started on this thread, so no hand-off either); the waits in order (the

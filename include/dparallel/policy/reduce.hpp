@@ -2,6 +2,7 @@
 // Reduce policies: how the replicas' gradients are combined after (or during) backward.
 
 #include <dparallel/config.hpp>
+#include <dparallel/core/stripes.hpp>
 #include <dparallel/policy/replicate.hpp>
 
 #include <concepts>
@@ -40,9 +41,11 @@ namespace policy {
 /// so the reduction runs on all those devices at once (the sum of each element is the same
 /// expression whichever device computes it: the same bits as one device doing it all). The
 /// master's stream then waits for every slice.
-/// On a backend with the borrowed weighted_sum (host::backend) each device's slices are one piece
-/// of work over lists the policy keeps as members, refilled in place: a steady-state step
-/// allocates no list (the stream's work and events still do; see parallel::run_step).
+/// On a backend with the borrowed weighted_sum (host::backend) a device's share of a gradient is
+/// its 64 KiB stripes (dealt out round robin, core/stripes.hpp) rather than one slice, and each
+/// device's stripes are one piece of work over lists the policy keeps as members, refilled in
+/// place: a steady-state step allocates no list (the stream's work and events still do; see
+/// parallel::run_step).
 struct reduce_to_master {
   /// Nothing to prepare.
   template <class Set>
@@ -82,17 +85,23 @@ struct reduce_to_master {
         src_[k].clear();
       }
       for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
-        std::size_t const n = s.grads[0][p].size();
-        std::size_t const lo = n * k / m, hi = n * (k + 1) / m;
-        if (lo == hi) continue;
+        tensor_ref const g = s.grads[0][p];
         if constexpr (borrowed) {
-          dst_[k].push_back(s.grads[0][p].subview(lo, hi - lo));
-          for (std::size_t i : active_) src_[k].push_back(s.grads[i][p].subview(lo, hi - lo));
-        } else {
+          // Host threads: device k's stripes of the gradient (core/stripes.hpp says why not one
+          // contiguous slice); one list per device, summed by one call below.
+          detail::for_each_stripe(g.size(), static_cast<int>(m), static_cast<int>(k), size_of(g.dtype()),
+                                  [&](std::size_t lo, std::size_t hi) {
+                                    dst_[k].push_back(g.subview(lo, hi - lo));
+                                    for (std::size_t i : active_) src_[k].push_back(s.grads[i][p].subview(lo, hi - lo));
+                                  });
+        } else {  // a kernel per slice: one contiguous slice per device
+          std::size_t const n = g.size();
+          std::size_t const lo = n * k / m, hi = n * (k + 1) / m;
+          if (lo == hi) continue;
           std::vector<tensor_ref> src;
           src.reserve(m);
           for (std::size_t i : active_) src.push_back(s.grads[i][p].subview(lo, hi - lo));
-          backend::weighted_sum(stream, s.grads[0][p].subview(lo, hi - lo), std::move(src), w_);
+          backend::weighted_sum(stream, g.subview(lo, hi - lo), std::move(src), w_);
         }
       }
       if constexpr (borrowed) {

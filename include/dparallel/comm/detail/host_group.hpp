@@ -8,7 +8,8 @@
 //     timeout passed: then the group fails with a timeout_error naming the missing ranks);
 //  2. check: every rank compares all calls with rank 0's; a difference fails the group with an
 //     error showing both calls (every rank sees the same calls, so every rank fails);
-//  3. compute: outside the mutex, rank r handles its slice of every rank's buffers;
+//  3. compute: outside the mutex, rank r handles its stripes of every rank's buffers
+//     (for_each_stripe: 64 KiB stripes dealt out round robin);
 //  4. depart: publish `seq` as done and wait until every rank has; only then is the work done,
 //     so no rank reuses or releases a buffer another rank may still read or write.
 // One published record per rank suffices: a rank can publish seq+1 only after every rank has
@@ -402,26 +403,26 @@ class host_group {
     switch (call.kind) {
       case comm_kind::all_reduce:
       case comm_kind::reduce: {
-        auto const [lo, hi] = rank_slice(call.count, n_, r);
-        if (lo == hi) return;
-        for (int j = 0; j < n_; ++j) srcs[j] = at(j, 0, lo);
-        std::size_t nd = 0;
-        if (call.kind == comm_kind::reduce) {
-          dsts[nd++] = at(call.root, 0, lo);
-        } else {
-          for (int j = 0; j < n_; ++j) dsts[nd++] = at(j, 0, lo);
-        }
-        reduce_bytes(call.type, std::span<void const* const>(srcs, nn), std::span<void* const>(dsts, nd), hi - lo,
-                     call.op, n_);
+        for_each_stripe(call.count, n_, r, esz, [&](std::size_t lo, std::size_t hi) {
+          for (int j = 0; j < n_; ++j) srcs[j] = at(j, 0, lo);
+          std::size_t nd = 0;
+          if (call.kind == comm_kind::reduce) {
+            dsts[nd++] = at(call.root, 0, lo);
+          } else {
+            for (int j = 0; j < n_; ++j) dsts[nd++] = at(j, 0, lo);
+          }
+          reduce_bytes(call.type, std::span<void const* const>(srcs, nn), std::span<void* const>(dsts, nd), hi - lo,
+                       call.op, n_);
+        });
         return;
       }
       case comm_kind::broadcast: {
-        auto const [lo, hi] = rank_slice(call.count, n_, r);
-        if (lo == hi) return;
-        char const* src = at(call.root, 0, lo);
-        for (int j = 0; j < n_; ++j) {
-          if (j != call.root) std::memcpy(at(j, 0, lo), src, (hi - lo) * esz);
-        }
+        for_each_stripe(call.count, n_, r, esz, [&](std::size_t lo, std::size_t hi) {
+          char const* src = at(call.root, 0, lo);
+          for (int j = 0; j < n_; ++j) {
+            if (j != call.root) std::memcpy(at(j, 0, lo), src, (hi - lo) * esz);
+          }
+        });
         return;
       }
       case comm_kind::reduce_scatter: {

@@ -9,6 +9,7 @@
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/half.hpp>
+#include <dparallel/core/stripes.hpp>
 
 #include <cstddef>
 #include <cstring>
