@@ -73,6 +73,7 @@ std::string to_json(config const& cfg, result const& r, training_data const& dat
          (cfg.mode == "ddp" ? ",\"comm\":\"" + cfg.comm + "\"" : std::string()) +
          (cfg.zero != 0 ? ",\"zero\":" + std::to_string(cfg.zero) : std::string()) +
          (cfg.uneven ? std::string(",\"uneven\":true") : std::string()) +
+         (cfg.bucket_view ? std::string(",\"bucket_view\":true") : std::string()) +
          ",\"devices\":" + std::to_string(r.devices) +
          ",\"epochs\":" + std::to_string(cfg.epochs) + ",\"global_batch\":" + std::to_string(cfg.global_batch) +
          ",\"lr\":" + number(cfg.lr) + ",\"seed\":" + std::to_string(cfg.seed) +

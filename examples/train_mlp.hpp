@@ -75,6 +75,7 @@ struct config {
   int zero = 0;                   // --zero 1: ddp_zero1 + zero_redundancy_optimizer (ZeRO stage 1)
   bool zero_gathered = false;     // --zero-save gathered: rank 0 writes the whole state (default: sharded)
   bool uneven = false;            // --uneven: rank r drops its last r batches of each epoch, then join()s
+  bool bucket_view = false;       // --bucket-view: ddp's options::gradient_as_bucket_view
 };
 
 /// A bad command line: reported with exit code 2.

@@ -93,10 +93,11 @@ updater update_for(config const& cfg, dparallel::parallel<mlp, Bundle>& w) {
   else return {};  // train() makes the usual one
 }
 
-/// DDP's options: with --uneven, ranks may run out of data (options::uneven_inputs, join()) and
+/// DDP's options: --bucket-view all-reduces the gradient buffer in place; with --uneven, ranks may run out of data (options::uneven_inputs, join()) and
 /// gradients are averaged by the samples each rank saw (docs/join.md).
 dparallel::options ddp_options(config const& cfg) {
   dparallel::options o;
+  o.gradient_as_bucket_view = cfg.bucket_view;  // the model's gradients are one buffer (mlp::grads)
   if (cfg.uneven) {
     o.uneven_inputs = true;
     o.average = dparallel::average_mode::samples;

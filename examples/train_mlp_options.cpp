@@ -46,6 +46,9 @@ void print_usage(std::FILE* out) {
                "                 different numbers of steps; each calls join() when its epoch's data ran out\n"
                "                 and gradients are averaged by samples (docs/join.md); the train_loss printed\n"
                "                 is rank 0's own\n"
+               "  --bucket-view  ddp on the host only: DDP all-reduces the model's gradient buffer in place\n"
+               "                 (options::gradient_as_bucket_view: no copies into bucket storage and back;\n"
+               "                 the same bits; docs/policies.md)\n"
                "  --epochs E     passes over the 60000 training images (default: 5)\n"
                "  --batch B      global batch size, split across the devices in dp (default: 128)\n"
                "  --lr LR        learning rate (default: 0.1; adam, adamw: 0.001)\n"
@@ -302,6 +305,9 @@ config parse_command_line(int argc, char** argv) {
     } else if (arg == "--uneven") {
       flag();
       cfg.uneven = true;
+    } else if (arg == "--bucket-view") {
+      flag();
+      cfg.bucket_view = true;
     } else if (arg == "--profile") {
       flag();
       cfg.profile = true;
@@ -343,6 +349,10 @@ config parse_command_line(int argc, char** argv) {
   if (cfg.comm_hook != "none" && cfg.mode != "ddp")
     throw usage_error("--comm-hook " + cfg.comm_hook + ": only --mode ddp has communication hooks, found --mode " +
                       cfg.mode);
+  if (cfg.bucket_view && (cfg.mode != "ddp" || cfg.zero != 0))
+    throw usage_error("--bucket-view: DDP's buckets as views of the gradients; expected --mode ddp without --zero "
+                      "(ZeRO-1 reduce-scatters into shards of its own), found --mode " + cfg.mode +
+                      (cfg.zero != 0 ? " --zero " + std::to_string(cfg.zero) : std::string()));
   if (cfg.uneven && cfg.mode != "ddp")
     throw usage_error("--uneven: only --mode ddp has ranks that can run out of data, found --mode " + cfg.mode);
   if (cfg.uneven && (cfg.zero != 0 || cfg.steps != std::numeric_limits<std::uint64_t>::max() || !cfg.resume.empty() ||
@@ -357,6 +367,8 @@ config parse_command_line(int argc, char** argv) {
   if (cfg.backend == "cuda" && (cfg.optimizer != "sgd" || cfg.weight_decay > 0 || cfg.clip_grad_norm > 0))
     throw usage_error("--optimizer, --weight-decay and --clip-grad-norm: this example runs them on the host "
                       "backend only; add --backend host");
+  if (cfg.bucket_view && cfg.backend == "cuda")
+    throw usage_error("--bucket-view: the GPU model keeps its gradients apart; add --backend host");
   if (cfg.uneven && cfg.backend == "cuda")
     throw usage_error("--uneven: this example joins ranks on the host backend (--comm thread or mpi); add --backend host");
   if (cfg.comm_hook != "none" && cfg.backend == "cuda")

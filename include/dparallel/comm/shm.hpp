@@ -133,6 +133,11 @@ class communicator {
   void drain() {
     queue_.help_until_idle([] {});
   }
+  /// As host::communicator::hold: with nothing pending, the collectives issued from now on wait
+  /// for the next drain() (which runs them on its caller) or release(), without waking the thread.
+  void hold() { (void)queue_.hold_if_idle(); }
+  /// Ends a hold(): the communication thread runs what was held.
+  void release() { queue_.release(); }
 
   /// This rank's subgroup of a split (see process_group::split): a shared-memory group of its
   /// own segment (shm/detail/subgroup.hpp), with this group's timeout; empty when the rank is in
