@@ -9,9 +9,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -42,42 +44,43 @@ void on_ranks(std::vector<dp::process_group>& groups, F const& fn) {
 
 }  // namespace
 
-TEST_CASE("stripes: every element goes to exactly one rank, in whole-line stripes of at most 64 KiB",
+TEST_CASE("stripes: every element goes to exactly one rank, in whole-line stripes, no rank over its share",
           "[host][comm]") {
   for (std::size_t const esz : {std::size_t{2}, std::size_t{4}, std::size_t{8}}) {
     std::size_t const line = 64 / esz;
-    std::size_t const most = (std::size_t{64} << 10) / esz;
+    std::size_t const least = (std::size_t{64} << 10) / esz;
     for (std::size_t const count : {std::size_t{0}, std::size_t{1}, line - 1, line, line + 1, std::size_t{1000},
-                                    3 * most + 5, (std::size_t{1} << 20) + 3}) {
+                                    3 * least + 5, std::size_t{407050}, (std::size_t{1} << 20) + 3,
+                                    (std::size_t{1} << 24) + 17}) {
       for (int n = 1; n <= 7; ++n) {
         INFO("element size " << esz << ", count " << count << ", ranks " << n);
-        std::vector<int> owner(count, -1);
-        std::vector<std::size_t> stripes(static_cast<std::size_t>(n), 0);
-        bool twice = false, misaligned = false, too_wide = false;
+        std::size_t const w = dp::detail::stripe_width(count, n, esz);
+        std::size_t const share = (count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
+        // At least 64 KiB (or the whole share), at most an eighth of the share (or 64 KiB), in lines.
+        CHECK(w % line == 0);
+        CHECK(w >= std::min(least, share));
+        CHECK(w <= std::max(least, (share + 7) / 8) + line);
+        std::vector<std::uint8_t> owner(count, 0);
+        std::vector<std::size_t> mine(static_cast<std::size_t>(n), 0);
+        bool misplaced = false;
         for (int r = 0; r < n; ++r) {
           dp::detail::for_each_stripe(count, n, r, esz, [&](std::size_t lo, std::size_t hi) {
-            ++stripes[static_cast<std::size_t>(r)];
-            misaligned = misaligned || lo % line != 0 || lo >= hi || (hi != count && (hi - lo) % line != 0);
-            too_wide = too_wide || hi - lo > most;
-            for (std::size_t i = lo; i < hi; ++i) {
-              twice = twice || owner[i] != -1;
-              owner[i] = r;
-            }
+            misplaced = misplaced || lo % w != 0 || lo >= hi || (hi != count && hi - lo != w) ||
+                        (lo / w) % static_cast<std::size_t>(n) != static_cast<std::size_t>(r);
+            mine[static_cast<std::size_t>(r)] += hi - lo;
+            for (std::size_t i = lo; i < hi; ++i) ++owner[i];
           });
         }
-        CHECK_FALSE(twice);
-        CHECK_FALSE(misaligned);
-        CHECK_FALSE(too_wide);
-        std::size_t unowned = 0;
-        for (int o : owner) unowned += o < 0 ? 1 : 0;
-        CHECK(unowned == 0);
-        // Enough elements for a line per rank: no rank idles.
-        if (count >= static_cast<std::size_t>(n) * line) {
-          for (std::size_t s : stripes) CHECK(s >= 1);
-        }
+        CHECK_FALSE(misplaced);
+        CHECK(std::count(owner.begin(), owner.end(), std::uint8_t{1}) == static_cast<std::ptrdiff_t>(count));
+        for (std::size_t m : mine) CHECK(m <= share + w);
       }
     }
   }
+  // The reference workload's gradient (407 050 F32) over 2 ranks: several stripes each.
+  std::size_t stripes = 0;
+  dp::detail::for_each_stripe(407050, 2, 1, 4, [&](std::size_t, std::size_t) { ++stripes; });
+  CHECK(stripes >= 8);
 }
 
 TEST_CASE("host: held collectives run in drain() on the caller; release() hands them to the thread",

@@ -4,8 +4,8 @@
 //
 // Each rank's communicator owns a communication thread (its "comm stream") that runs the rank's
 // collectives in the order they were issued; a call returns a work at once. For an all_reduce of
-// L elements over n ranks, rank r reduces its share of the elements of every rank's buffer (64 KiB
-// stripes dealt out round robin: rank r takes stripes r, r + n, ...; for_each_stripe says why), in
+// L elements over n ranks, rank r reduces its share of the elements of every rank's buffer (stripes of
+// 64 KiB or more dealt out round robin: rank r takes stripes r, r + n, ...; for_each_stripe says why), in
 // rank order 0..n-1, and writes the result into those elements of every rank's buffer; the ranks
 // then meet before their works complete. Messages of at most 64 KiB per rank take a one-meeting path
 // (the rank that arrives last computes every slice, element by element the same sums), which

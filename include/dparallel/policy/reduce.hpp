@@ -42,7 +42,7 @@ namespace policy {
 /// expression whichever device computes it: the same bits as one device doing it all). The
 /// master's stream then waits for every slice.
 /// On a backend with the borrowed weighted_sum (host::backend) a device's share of a gradient is
-/// its 64 KiB stripes (dealt out round robin, core/stripes.hpp) rather than one slice, and each
+/// its stripes (64 KiB or more, dealt out round robin, core/stripes.hpp) rather than one slice, and each
 /// device's stripes are one piece of work over lists the policy keeps as members, refilled in
 /// place: a steady-state step allocates no list (the stream's work and events still do; see
 /// parallel::run_step).

@@ -9,7 +9,7 @@
 //  2. check: every rank compares all calls with rank 0's; a difference fails the group with an
 //     error showing both calls (every rank sees the same calls, so every rank fails);
 //  3. compute: outside the mutex, rank r handles its stripes of every rank's buffers
-//     (for_each_stripe: 64 KiB stripes dealt out round robin);
+//     (for_each_stripe: stripes of 64 KiB or more dealt out round robin);
 //  4. depart: publish `seq` as done and wait until every rank has; only then is the work done,
 //     so no rank reuses or releases a buffer another rank may still read or write.
 // One published record per rank suffices: a rank can publish seq+1 only after every rank has
