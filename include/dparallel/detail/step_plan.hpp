@@ -14,6 +14,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
