@@ -36,6 +36,7 @@
 #include "mlp.hpp"
 
 #include <dparallel/dparallel.hpp>
+#include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
 #include <dparallel/policy/zero_redundancy_optimizer.hpp>
 #if DPARALLEL_BENCH_MPI
@@ -90,13 +91,10 @@ struct workload {
   }
 };
 
-/// Plain SGD through the customisation points, as in examples/train_mlp.cpp.
-void sgd(mlp& m, float lr) {
-  auto params = dp::parameters(m);
-  auto grads = dp::gradients(m);
-  for (std::size_t k = 0; k < params.size(); ++k)
-    for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
-}
+/// Plain SGD, dparallel::optim::sgd, in every mode: the same arithmetic, so the parallel modes'
+/// parameters stay those of the one-device run they match, and the same code (on a DataParallel
+/// wrapper the devices' threads share the update of the master: optim/optimizer.hpp).
+using sgd_optimizer = dp::optim::optimizer<dp::optim::sgd>;
 
 struct config {
   std::size_t steps = 200, warmup = 20;
@@ -130,9 +128,10 @@ measurement throughput(config const& c, std::size_t batch_size, Step&& step) {
 measurement run_single(workload const& w, config const& c, std::size_t b, std::size_t parts, std::size_t block) {
   mlp model(c.seed);
   model.split = {.parts = parts, .block = block};
+  sgd_optimizer opt(model);
   return throughput(c, b, [&](std::size_t j) {
     model.forward_backward(w.part(j, b, 0, b));
-    sgd(model, c.lr);
+    opt.step(model, c.lr);
   });
 }
 
@@ -140,9 +139,10 @@ measurement run_dp(workload const& w, config const& c, std::size_t b, int device
   mlp model(c.seed);
   model.split.block = block;  // the replicas copy it
   dp::data_parallel<mlp> wrapper(model, dp::host::devices(devices));
+  sgd_optimizer opt(wrapper);
   return throughput(c, b, [&](std::size_t j) {
     wrapper.step(w.part(j, b, 0, b), [](mlp& m, batch shard) { return m.forward_backward(shard); });
-    sgd(wrapper.module(), c.lr);
+    opt.step(wrapper, c.lr);
   });
 }
 
@@ -186,7 +186,8 @@ measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks
       run(z, [&] { opt.step(c.lr); });
     } else {
       dp::distributed_data_parallel<mlp> ddp(model, rank.group(), {.gradient_as_bucket_view = view});
-      run(ddp, [&] { sgd(ddp.module(), c.lr); });
+      sgd_optimizer opt(ddp);
+      run(ddp, [&] { opt.step(ddp, c.lr); });
     }
   });
   return result;
@@ -208,10 +209,11 @@ measurement run_apart(workload const& w, config const& c, std::size_t b, int ran
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       mlp model(c.seed);
+      sgd_optimizer opt(model);
       auto const first = static_cast<std::size_t>(r) * per_rank;
       auto const step = [&](std::size_t j) {
         model.forward_backward(w.part(j, b, first, per_rank));
-        sgd(model, c.lr);
+        opt.step(model, c.lr);
         if (lockstep) sync.arrive_and_wait();
       };
       for (std::size_t j = 0; j < c.warmup; ++j) step(j);
@@ -297,10 +299,11 @@ int main(int argc, char** argv) {
       for (int k = 0; k < reps; ++k) {
         mlp model(c.seed);
         dp::distributed_data_parallel<mlp> ddp(model, group);
+        sgd_optimizer opt(ddp);
         auto const first = static_cast<std::size_t>(group.rank()) * per_rank;
         auto step = [&](std::size_t j) {
           ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
-          sgd(ddp.module(), c.lr);
+          opt.step(ddp, c.lr);
         };
         for (std::size_t j = 0; j < c.warmup; ++j) step(j);
         group.barrier().wait();

@@ -232,6 +232,32 @@ class parallel {
     }
   }
 
+  /// DataParallel on host devices: calls f(k, n) for every k < n = devices().size(), call k on
+  /// device k's thread (the master's, k = 0, on the calling thread), all at once, and returns when
+  /// every call has returned. As with a step's work, a call that its device's thread has not
+  /// started when the caller is done with its own runs on the calling thread. An exception from a
+  /// call is rethrown as a step's is (a device_error naming the device), after all of them finished. For work on the master's tensors that splits
+  /// by elements: optim::optimizer updates the master this way, device k its stripes
+  /// (core/stripes.hpp), which are the ones device k reduced and copies into the replicas.
+  /// Not while a step runs (from a step function, or another thread).
+  template <class F>
+    requires(!is_distributed_v<Semantics> &&
+             requires(typename Backend::stream_type& s) {
+               s.hold();
+               s.synchronize_here();
+             })
+  void on_each_device(F&& f) {
+    struct frame {
+      std::remove_reference_t<F>* fn;
+      std::size_t n;
+    } const fr{&f, rs_.size()};
+    sync_guard guard{this};
+    rs_.streams[0]->hold();  // its call runs here, in synchronize_streams
+    for (std::size_t k = 0; k < fr.n; ++k) rs_.streams[k]->enqueue([at = &fr, k] { (*at->fn)(k, at->n); });
+    guard.armed = false;
+    detail::synchronize_streams(rs_.streams);
+  }
+
   /// DDP with options::uneven_inputs: this rank's data ran out. Call it once after the rank's
   /// last step (every rank calls it, PyTorch's Join): it takes part in the other ranks' remaining
   /// synchronised steps with zero contributions and returns when every rank has joined, with the

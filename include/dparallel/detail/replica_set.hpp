@@ -52,6 +52,7 @@ struct replica_set {
   std::vector<std::size_t> shard_sizes;    ///< per device; 0 = no shard this step
   std::vector<std::size_t> shard_offsets;  ///< per device
   std::vector<event_type> compute_done;    ///< per device: the step function's completion
+  std::vector<event_type> copied;          ///< per device: its share of the replicas' refresh (replicate_each_step)
 
   [[nodiscard]] std::size_t size() const noexcept { return devices.size(); }
   [[nodiscard]] int rank() const { return group.valid() ? group.rank() : 0; }

@@ -91,12 +91,25 @@ concept element_rule = update_rule<R> && requires(typename R::step_constants con
   { R::update(c, p, g, s, i) } -> std::same_as<void>;
 };
 
+namespace detail {
+/// R::slot_count, at least 1 (the size of an array of slot pointers).
+template <class R>
+inline constexpr std::size_t slot_array_size = R::slot_count == 0 ? 1 : R::slot_count;
+}  // namespace detail
+
 /// The host loop of an element rule: R::update for every element of `p`.
 template <class R>
 void apply_elements(typename R::step_constants const& c, std::span<float> p, std::span<float const> g,
                     std::span<float* const> s) {
-  float* const* slots = s.data();
-  for (std::size_t i = 0; i < p.size(); ++i) R::update(c, p[i], g[i], slots, i);
+  // Local copies: a store through p cannot then change the constants or the slot pointers, so
+  // the compiler may hoist the rule's tests out of the loop (and vectorise what is left).
+  typename R::step_constants const k = c;
+  float* slots[detail::slot_array_size<R>] = {};
+  for (std::size_t j = 0; j < s.size() && j < detail::slot_array_size<R>; ++j) slots[j] = s[j];
+  float* const pv = p.data();
+  float const* const gv = g.data();
+  std::size_t const n = p.size();
+  for (std::size_t i = 0; i < n; ++i) R::update(k, pv[i], gv[i], slots, i);
 }
 
 /// How many of R's slots `r` uses: r.active_slots() when R declares it (plain SGD keeps no

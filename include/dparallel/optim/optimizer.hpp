@@ -12,7 +12,9 @@
 //
 // With a wrapper, step the wrapper (it steps its module()):
 //   DataParallel: module() is the master; the next step() replicates it to the other devices, so
-//     one optimizer over the master is all DP needs (its gradients are the reduced ones);
+//     one optimizer over the master is all DP needs (its gradients are the reduced ones). On host
+//     devices the devices' threads share the update, each its stripes of every tensor
+//     (parallel::on_each_device); the rule is elementwise, so the bits are one thread's;
 //   DDP: every rank builds an optimizer over its own replica and steps it after each step(); the
 //     reduced gradients are bitwise identical on every rank and so are the updates, so the
 //     replicas stay bitwise identical.
@@ -39,6 +41,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
+#include <dparallel/core/stripes.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/state_dict.hpp>
 #include <dparallel/optim/element.hpp>
@@ -47,6 +50,7 @@
 
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -68,9 +72,6 @@ constexpr std::string_view rule_name() {
   if constexpr (requires { std::string_view(R::name); }) return R::name;
   else return "custom";
 }
-/// R::slot_count, at least 1 (the size of a pointer array).
-template <class R>
-inline constexpr std::size_t slot_array_size = R::slot_count == 0 ? 1 : R::slot_count;
 }  // namespace detail
 
 /// Where an optimizer's arithmetic runs for parameters of `Backend`: apply(r, c, p, g, slots)
@@ -232,13 +233,17 @@ class optimizer {
     check_model_matches(m);
     auto const next = static_cast<std::uint64_t>(step_) + 1;
     auto const c = rule_.constants(next, lr);
-    std::array<float*, detail::slot_array_size<Rule>> slots{};
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      for (std::size_t k = 0; k < active_; ++k) slots[k] = slot_data(k) + offsets_[i];
-      std::span<float* const> const s(slots.data(), Rule::slot_count);
-      if (master_offsets_[i] == no_master) backend_kernels<Backend>::apply(rule_, c, params_[i], grads_[i], s);
-      else backend_kernels<Backend>::apply_master(rule_, c, params_[i], grads_[i], master_data() + master_offsets_[i], s);
+    if constexpr (std::same_as<Backend, host::backend> &&
+                  requires { model_or_wrapper.on_each_device([](std::size_t, std::size_t) {}); }) {
+      // DataParallel on host devices: the devices' threads update the master at once, each its
+      // stripes of every tensor (the rule is elementwise, so the bits are those of one thread).
+      if (model_or_wrapper.devices().size() > 1) {
+        model_or_wrapper.on_each_device([&](std::size_t k, std::size_t n) { update_stripes(c, k, n); });
+        step_ = static_cast<std::int64_t>(next);
+        return;
+      }
     }
+    for (std::size_t i = 0; i < params_.size(); ++i) update(c, i, 0, params_[i].size());
     backend_kernels<Backend>::finish(device_);
     step_ = static_cast<std::int64_t>(next);
   }
@@ -293,6 +298,23 @@ class optimizer {
 
  private:
   static std::string where() { return "optim::optimizer<" + std::string(detail::rule_name<Rule>()) + ">"; }
+
+  // Elements [lo, hi) of parameter i.
+  void update(typename Rule::step_constants const& c, std::size_t i, std::size_t lo, std::size_t hi) {
+    std::array<float*, detail::slot_array_size<Rule>> slots{};
+    for (std::size_t k = 0; k < active_; ++k) slots[k] = slot_data(k) + offsets_[i] + lo;
+    std::span<float* const> const s(slots.data(), Rule::slot_count);
+    tensor_ref const p = params_[i].subview(lo, hi - lo), g = grads_[i].subview(lo, hi - lo);
+    if (master_offsets_[i] == no_master) backend_kernels<Backend>::apply(rule_, c, p, g, s);
+    else backend_kernels<Backend>::apply_master(rule_, c, p, g, master_data() + master_offsets_[i] + lo, s);
+  }
+  // The stripes of every parameter that device k of n updates (core/stripes.hpp).
+  void update_stripes(typename Rule::step_constants const& c, std::size_t k, std::size_t n) {
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      dparallel::detail::for_each_stripe(params_[i].size(), static_cast<int>(n), static_cast<int>(k),
+                                         size_of(params_[i].dtype()),
+                                         [&](std::size_t lo, std::size_t hi) { update(c, i, lo, hi); });
+  }
 
   float* slot_data(std::size_t k) const noexcept { return reinterpret_cast<float*>(storage_[k].get()); }
   float* master_data() const noexcept { return reinterpret_cast<float*>(master_.get()); }

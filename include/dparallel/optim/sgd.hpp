@@ -104,12 +104,39 @@ class sgd {
     p = fp::add(p, fp::mul(c.neg_lr, d));
   }
 
-  /// The update over a stretch of elements (the update_rule interface).
+  /// The update over a stretch of elements (the update_rule interface): update()'s operations, in
+  /// a loop chosen for the step's case (decay or not, momentum or not, first step, Nesterov), so
+  /// that no test is left inside it.
   void apply(step_constants const& c, std::span<float> p, std::span<float const> g, std::span<float* const> s) const {
-    apply_elements<sgd>(c, p, g, s);
+    float* const b = c.momentum != 0 ? s[0] : nullptr;
+    if (b == nullptr) return decayed<false, false, false>(c, p, g, b);
+    if (c.first) return c.nesterov ? decayed<true, true, true>(c, p, g, b) : decayed<true, true, false>(c, p, g, b);
+    return c.nesterov ? decayed<true, false, true>(c, p, g, b) : decayed<true, false, false>(c, p, g, b);
   }
 
  private:
+  template <bool Momentum, bool First, bool Nesterov>
+  static void decayed(step_constants const& c, std::span<float> p, std::span<float const> g, float* b) {
+    if (c.weight_decay != 0) run<true, Momentum, First, Nesterov>(c, p.data(), g.data(), b, p.size());
+    else run<false, Momentum, First, Nesterov>(c, p.data(), g.data(), b, p.size());
+  }
+  // update() for one case, over n elements; c is a copy, so stores through p cannot change it.
+  template <bool Decay, bool Momentum, bool First, bool Nesterov>
+  static void run(step_constants const c, float* p, float const* g, float* b, std::size_t n) {
+    namespace fp = dparallel::optim::detail;
+    for (std::size_t i = 0; i < n; ++i) {
+      float d = g[i];
+      if constexpr (Decay) d = fp::add(d, fp::mul(c.weight_decay, p[i]));
+      if constexpr (Momentum) {
+        if constexpr (First) b[i] = d;
+        else b[i] = fp::add(fp::mul(b[i], c.momentum), fp::mul(c.one_minus_dampening, d));
+        if constexpr (Nesterov) d = fp::add(d, fp::mul(c.momentum, b[i]));
+        else d = b[i];
+      }
+      p[i] = fp::add(p[i], fp::mul(c.neg_lr, d));
+    }
+  }
+
   sgd_options o_{};
 };
 

@@ -4,6 +4,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/model.hpp>
+#include <dparallel/core/stripes.hpp>
 #include <dparallel/detail/replica_set.hpp>
 
 #include <concepts>
@@ -52,11 +53,17 @@ concept replicate_policy = std::semiregular<P> && requires(P& p, detail::archety
 namespace policy {
 
 /// DataParallel: before every step, copy the master's parameters and buffers into every replica
-/// that receives a shard. All tensors of a replica travel as one piece of work on its stream, and
-/// the replicas persist between steps. The master's own step waits for these copies, so a step
-/// function may update the master's buffers (running statistics) without racing them.
-/// On a backend with the borrowed copy_all the tensor lists are members, refilled in place: a
-/// steady-state step allocates no list (the stream's work and events still do; see run_step).
+/// that receives a shard, and the replicas persist between steps. Every replica's step waits for
+/// every copy into it, and the master's own step for every copy out of it, so a step function may
+/// update the master's buffers (running statistics) without racing them.
+/// On a backend with the borrowed copy_all (host::backend) the copying is shared out as the
+/// reduction is (core/stripes.hpp): each device that runs a shard copies its stripes of every
+/// master tensor into every other replica, as one piece of work on its stream, over lists the
+/// policy keeps as members, refilled in place (a steady-state step allocates no list; the
+/// stream's work and events still do; see run_step). The stripes a device copies are the ones
+/// it reduced, and an optimizer stepped through the wrapper updated (optim::optimizer), so they
+/// are still in its cache. Elsewhere (a kernel per copy) each replica's stream copies all of its
+/// own tensors.
 struct replicate_each_step {
   /// Nothing to do: replicas are refreshed before each step.
   template <class Set>
@@ -68,19 +75,10 @@ struct replicate_each_step {
     using backend = typename Set::backend_type;
     auto const master_ready = s.streams[0]->record();
     if constexpr (detail::borrowed_copy_all<backend>) {
-      // Read by the copies until they complete: the step drains every stream before it returns
-      // (or throws), so the next step may refill them.
-      detail::assign_joined(src_, s.params[0], s.bufs[0]);
-      if (dst_.size() < s.size()) dst_.resize(s.size());
-    }
-    for (std::size_t i = 1; i < s.size(); ++i) {
-      if (!s.active(i)) continue;
-      if constexpr (detail::borrowed_copy_all<backend>) {
-        detail::assign_joined(dst_[i], s.params[i], s.bufs[i]);
-        s.streams[i]->wait(master_ready);
-        s.streams[0]->wait(backend::copy_all(*s.streams[i], std::span<tensor_ref const>(dst_[i]),
-                                             std::span<tensor_ref const>(src_)));
-      } else {
+      striped(s, master_ready);
+    } else {  // a kernel per copy: each replica's stream copies all of its tensors
+      for (std::size_t i = 1; i < s.size(); ++i) {
+        if (!s.active(i)) continue;
         std::vector<tensor_ref> dst, src;
         detail::assign_joined(dst, s.params[i], s.bufs[i]);
         detail::assign_joined(src, s.params[0], s.bufs[0]);
@@ -91,8 +89,56 @@ struct replicate_each_step {
   }
 
  private:
-  std::vector<tensor_ref> src_;                // the master's parameters, then its buffers
-  std::vector<std::vector<tensor_ref>> dst_;   // per device: its replica's, in the same order
+  // The host's form. The copiers are the master and every replica that runs a shard; copier k of
+  // m copies its stripes of each master tensor into every copier but the master; then each copier
+  // waits for the others' pieces (the master's compute for the reads of its buffers, a replica's
+  // for the writes into it).
+  template <class Set>
+  void striped(Set& s, typename Set::event_type const& master_ready) {
+    using backend = typename Set::backend_type;
+    copiers_.assign(1, 0);
+    for (std::size_t i = 1; i < s.size(); ++i)
+      if (s.active(i)) copiers_.push_back(i);
+    std::size_t const m = copiers_.size();
+    if (m < 2) return;  // no replica runs a shard
+    // Read by the copies until they complete: the step drains every stream before it returns (or
+    // throws), so the next step may refill them. Sized before the first enqueue.
+    detail::assign_joined(master_, s.params[0], s.bufs[0]);
+    if (dst_.size() < m) dst_.resize(m);
+    if (src_.size() < m) src_.resize(m);
+    for (std::size_t k = 0; k < m; ++k) {
+      dst_[k].clear();
+      src_[k].clear();
+      for (std::size_t t = 0; t < master_.size(); ++t) {
+        tensor_ref const from = master_[t];
+        detail::for_each_stripe(from.size(), static_cast<int>(m), static_cast<int>(k), size_of(from.dtype()),
+                                [&](std::size_t lo, std::size_t hi) {
+                                  for (std::size_t a = 1; a < m; ++a) {
+                                    auto const& params = s.params[copiers_[a]];
+                                    tensor_ref const to =
+                                        t < params.size() ? params[t] : s.bufs[copiers_[a]][t - params.size()];
+                                    dst_[k].push_back(to.subview(lo, hi - lo));
+                                    src_[k].push_back(from.subview(lo, hi - lo));
+                                  }
+                                });
+      }
+    }
+    s.copied.resize(s.size());
+    for (std::size_t k = 0; k < m; ++k) {
+      auto& stream = *s.streams[copiers_[k]];
+      if (k != 0) stream.wait(master_ready);
+      s.copied[copiers_[k]] = dst_[k].empty() ? typename Set::event_type{}
+                                              : backend::copy_all(stream, std::span<tensor_ref const>(dst_[k]),
+                                                                  std::span<tensor_ref const>(src_[k]));
+    }
+    for (std::size_t a = 0; a < m; ++a)
+      for (std::size_t k = 0; k < m; ++k)
+        if (k != a) s.streams[copiers_[a]]->wait(s.copied[copiers_[k]]);
+  }
+
+  std::vector<std::size_t> copiers_;                // the master, then the replicas that run a shard
+  std::vector<tensor_ref> master_;                  // the master's parameters, then its buffers
+  std::vector<std::vector<tensor_ref>> dst_, src_;  // per copier: its pieces' targets and sources
 };
 static_assert(replicate_policy<replicate_each_step>);
 
