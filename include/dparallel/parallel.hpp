@@ -236,9 +236,10 @@ class parallel {
   /// device k's thread (the master's, k = 0, on the calling thread), all at once, and returns when
   /// every call has returned. As with a step's work, a call that its device's thread has not
   /// started when the caller is done with its own runs on the calling thread. An exception from a
-  /// call is rethrown as a step's is (a device_error naming the device), after all of them finished. For work on the master's tensors that splits
-  /// by elements: optim::optimizer updates the master this way, device k its stripes
-  /// (core/stripes.hpp), which are the ones device k reduced and copies into the replicas.
+  /// call is rethrown as a step's is (a device_error naming the device), after all of them
+  /// finished. For work on the master's tensors that splits by elements: optim::optimizer updates
+  /// the master this way, device k its stripes (core/stripes.hpp), which are the ones device k
+  /// reduced and copies into the replicas.
   /// Not while a step runs (from a step function, or another thread).
   template <class F>
     requires(!is_distributed_v<Semantics> &&
