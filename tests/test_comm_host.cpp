@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "rank_threads.hpp"
 #include "threads.hpp"
 
 #include <array>
@@ -38,34 +39,8 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-/// Runs fn(rank, group) on one thread per rank listed in `ranks` (default: all), joins them all,
-/// and returns what each rank threw (null where it did not).
-template <class F>
-std::vector<std::exception_ptr> on_ranks(std::vector<dp::process_group>& groups, F const& fn,
-                                         std::vector<int> ranks = {}) {
-  if (ranks.empty()) {
-    for (int r = 0; r < static_cast<int>(groups.size()); ++r) ranks.push_back(r);
-  }
-  std::vector<std::exception_ptr> errors(groups.size());
-  std::vector<std::thread> threads;
-  for (int r : ranks) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(r, groups[static_cast<std::size_t>(r)]);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
-void rethrow_first(std::vector<std::exception_ptr> const& errors) {
-  for (auto const& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using test::on_ranks;
+using test::rethrow_first;
 
 /// What an exception_ptr holds, in a form REQUIRE can look at.
 struct caught {

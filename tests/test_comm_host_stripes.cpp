@@ -2,6 +2,8 @@
 // (hold(): on the thread that drains). The results of every collective against the serial
 // reference are in test_comm_host.cpp; these check the two mechanisms themselves.
 
+#include "rank_threads.hpp"
+
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/host.hpp>
 #include <dparallel/comm/work.hpp>
@@ -20,29 +22,6 @@
 
 namespace dp = dparallel;
 using namespace std::chrono_literals;
-
-namespace {
-
-/// Runs fn(rank, group) on one thread per rank, joins them, rethrows the first exception.
-template <class F>
-void on_ranks(std::vector<dp::process_group>& groups, F const& fn) {
-  std::vector<std::exception_ptr> errors(groups.size());
-  std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < groups.size(); ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(static_cast<int>(r), groups[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto const& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-}  // namespace
 
 TEST_CASE("stripes: every element goes to exactly one rank, in whole-line stripes, no rank over its share",
           "[host][comm]") {
@@ -103,7 +82,7 @@ TEST_CASE("host: held collectives run in drain() on the caller; release() hands 
     fill();
     std::atomic<int> issued{0};
     bool peer_done_early = true, peer_done_after = false;
-    on_ranks(groups, [&](int r, dp::process_group& g) {
+    test::rethrow_first(test::on_ranks(groups, [&](int r, dp::process_group& g) {
       if (r == 0) {
         g.hold();
         dp::work const w = g.all_reduce(dp::view(data[0]));
@@ -119,7 +98,7 @@ TEST_CASE("host: held collectives run in drain() on the caller; release() hands 
         w.wait();
         peer_done_after = w.ready();
       }
-    });
+    }));
     CHECK_FALSE(peer_done_early);
     CHECK(peer_done_after);
     CHECK(summed());
@@ -127,12 +106,12 @@ TEST_CASE("host: held collectives run in drain() on the caller; release() hands 
 
   SECTION("released: the communication thread runs it, a plain wait() suffices") {
     fill();
-    on_ranks(groups, [&](int r, dp::process_group& g) {
+    test::rethrow_first(test::on_ranks(groups, [&](int r, dp::process_group& g) {
       g.hold();
       dp::work const w = g.all_reduce(dp::view(data[static_cast<std::size_t>(r)]));
       g.release();
       w.wait();
-    });
+    }));
     CHECK(summed());
   }
 
@@ -140,7 +119,7 @@ TEST_CASE("host: held collectives run in drain() on the caller; release() hands 
     fill();
     std::vector<float> one(4, 1.0f), two(4, 1.0f);
     std::atomic<int> first_issued{0};
-    on_ranks(groups, [&](int r, dp::process_group& g) {
+    test::rethrow_first(test::on_ranks(groups, [&](int r, dp::process_group& g) {
       if (r == 0) {
         dp::work const a = g.all_reduce(dp::view(data[0]));  // pending: rank 1 is not there yet
         first_issued.store(1);
@@ -156,7 +135,7 @@ TEST_CASE("host: held collectives run in drain() on the caller; release() hands 
         b.wait();
         a.wait();
       }
-    });
+    }));
     CHECK(summed());
     CHECK(one == std::vector<float>(4, 2.0f));
     CHECK(two == std::vector<float>(4, 2.0f));
