@@ -22,6 +22,7 @@
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -86,6 +87,8 @@ class communicator_interface {
   virtual void drain() = 0;
   virtual void hold() = 0;
   virtual void release() = 0;
+  [[nodiscard]] virtual bool coalesces_in_place() const = 0;
+  virtual work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) = 0;
   /// Every parent rank calls it with the same plan (but its own place): this rank's subgroup,
   /// empty when it is in none.
   virtual process_group subgroup(subgroup_plan const& plan) = 0;
@@ -137,6 +140,17 @@ class communicator_model final : public communicator_interface {
   }
   void release() override {
     if constexpr (requires { c_->release(); }) c_->release();
+  }
+  [[nodiscard]] bool coalesces_in_place() const override {
+    return requires(std::span<tensor_ref const> t) { c_->all_reduce_coalesced(t, reduce_op::sum); };
+  }
+  work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) override {
+    if constexpr (requires { c_->all_reduce_coalesced(tensors, op); }) {
+      return c_->all_reduce_coalesced(tensors, op);
+    } else {
+      throw invalid_argument("dparallel: process_group::all_reduce_coalesced: this group's engine reduces one buffer "
+                             "at a time (coalesces_in_place() is false); all_reduce a buffer holding the tensors");
+    }
   }
   process_group subgroup(subgroup_plan const& plan) override;
 
@@ -233,6 +247,21 @@ class process_group {
   void hold() const { get().hold(); }
   /// Ends a hold().
   void release() const { get().release(); }
+
+  /// Whether all_reduce_coalesced is available: the engine reduces a list of tensors in place, as
+  /// one array, without copying them into a buffer (the host engine of thread ranks).
+  [[nodiscard]] bool coalesces_in_place() const { return get().coalesces_in_place(); }
+  /// all_reduce of `tensors` read as one array (their elements one after the other), in place: the
+  /// same results, bit for bit, as an all_reduce of a buffer holding them. Every rank's array has
+  /// the same number of elements of one dtype, cut into tensors as each rank likes: it matches a
+  /// peer's all_reduce_coalesced or plain all_reduce of as many elements (a difference in count,
+  /// dtype or op fails the group, as a mismatched collective does). The list is read while the
+  /// collective runs: keep it alive and unchanged until the work completes. DDP uses it for its
+  /// buckets where the engine has it (no copies into bucket storage and back); engines without it
+  /// throw invalid_argument.
+  work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) const {
+    return get().all_reduce_coalesced(tensors, op);
+  }
 
  private:
   [[nodiscard]] detail::communicator_interface& get() const {

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,6 +84,30 @@ class communicator {
     check_tensor(c, t, "t");
     check_reducible(c);
     return issue(c, t, {});
+  }
+
+  /// See process_group::all_reduce_coalesced: in place over the tensors, read as one array (the
+  /// same stripes, sums and bits as all_reduce of that array). `tensors` is read while the
+  /// collective runs: keep it alive and unchanged until the work completes.
+  work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) {
+    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce,
+                                   tensors.empty() ? dtype::f32 : tensors[0].dtype(),
+                                   0,
+                                   0,
+                                   op,
+                                   0,
+                                   tensors.size()};
+    if (tensors.empty()) reject(c, "expected at least one tensor, found an empty list");
+    for (std::size_t k = 0; k < tensors.size(); ++k) {
+      if (tensors[k].dtype() != c.type)
+        reject(c, "expected every tensor of " + std::string(name_of(c.type)) + " (tensor 0's), found tensor " +
+                      std::to_string(k) + " of " + std::string(name_of(tensors[k].dtype())));
+      check_tensor(c, tensors[k], "tensors[k]");
+      c.count += tensors[k].size();
+    }
+    c.total = c.count;
+    check_reducible(c);
+    return issue(c, {}, {}, tensors);
   }
 
   /// See communicator: in place onto `root`, summed in rank order.
@@ -186,7 +211,8 @@ class communicator {
  private:
   using task = dparallel::detail::comm_task;
 
-  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b,
+             std::span<tensor_ref const> list = {}) {
     dparallel::detail::work_promise p;
     work w = p.get_work();
     queue_.push([&] {
@@ -194,7 +220,7 @@ class communicator {
         return "host::communicator: rank " + std::to_string(rank_) + " called " + dparallel::detail::describe(c) +
                " after it was closed (its spawn function returned)";
       });
-      return task{next_seq_++, c, a, b, timeout(), std::move(p)};
+      return task{next_seq_++, c, a, b, timeout(), std::move(p), list};
     });
     return w;
   }
@@ -237,7 +263,7 @@ class communicator {
   void run(task& t) {
     std::exception_ptr failure;
     try {
-      failure = group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout);
+      failure = group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout, t.list);
     } catch (...) {
       failure = std::current_exception();  // only an allocation failure can get here
     }

@@ -115,6 +115,23 @@ class bucketed_reduce {
     for (std::size_t b = 0; b < buckets_.size(); ++b) pending_[b] = buckets_[b].params.size();
     works_.assign(buckets_.size(), work{});
     first_accumulation_ = accumulated_ == 0;
+    // Copying buckets on an engine that reduces lists in place (thread ranks): a bucket whose
+    // gradients are all marked after the step function returned (none by grad_ready during
+    // backward, which must leave the gradients alone until the step ends) is all-reduced as the
+    // list of its gradients, in place: the bits of the copy's all-reduce without the copies into
+    // bucket storage and back.
+    coalesce_ = false;
+    flushing_ = false;
+    if constexpr (!ToRoot && !sharded) coalesce_ = !view_ && s.sync && !hook_.active() && s.group.coalesces_in_place();
+    staged_.assign(buckets_.size(), 0);
+    if (coalesce_) {
+      lists_.resize(buckets_.size());
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        lists_[b].clear();
+        for (std::size_t i : buckets_[b].params)
+          if (s.grads[0][i].size() != 0) lists_[b].push_back(s.grads[0][i]);
+      }
+    }
   }
 
   /// Gradient `i` is final: marks it ready (copying it into its bucket unless the buckets are views
@@ -346,7 +363,7 @@ class bucketed_reduce {
       tensor_ref const acc = view_in(accum_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
       if (first_accumulation_) ops::zero(acc);
       if (!unused) ops::add_scaled(acc, grad, n);
-    } else if (view_) {  // the gradient is its own slot of the bucket: work in place
+    } else if (view_ || (coalesce_ && flushing_ && staged_[b] == 0)) {  // the gradient is its own slot: in place
       if (accumulated_ == 0) {
         if (unused) ops::zero(grad);
       } else {  // the same operations, in the same order, as below: the same bits
@@ -359,6 +376,7 @@ class bucketed_reduce {
       if (--pending_[b] == 0) launch_ready(s);
     } else {
       if constexpr (sharded) static_cast<Sharded&>(*this).before_stage(b, unused);
+      staged_[b] = 1;
       tensor_ref const dst = view_in(storage_[b], spec, slot_of_[i], counts_[i], s.devices[0]);
       if (accumulated_ == 0) {
         if (unused) ops::zero(dst);
@@ -395,6 +413,10 @@ class bucketed_reduce {
     while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
       tensor_ref const whole = bucket_ref(s, next_bucket_);
       if constexpr (sharded) works_[next_bucket_] = static_cast<Sharded&>(*this).launch_bucket(s, next_bucket_, whole);
+      else if (coalesce_ && staged_[next_bucket_] == 0)
+        works_[next_bucket_] = lists_[next_bucket_].empty()
+                                   ? work{}
+                                   : s.group.all_reduce_coalesced(lists_[next_bucket_], reduce_op::avg);
       else if (hook_.active())
         works_[next_bucket_] = hook_.launch(s.group, next_bucket_, whole, buckets_[next_bucket_], counts_);
       else
@@ -424,6 +446,7 @@ class bucketed_reduce {
   // finalize's first half: every gradient not marked yet is staged and its bucket issued.
   template <class Set>
   void flush(Set& s, std::size_t n) {
+    flushing_ = true;  // the step function has returned: gradients may be reduced in place
     if (used_hook_) {
       auto& unused = unused_;
       unused.clear();
@@ -443,6 +466,7 @@ class bucketed_reduce {
       // Backward order; a step without samples (a joined rank's, policy/join.hpp) has no gradients.
       for (std::size_t k = n; k-- > 0;) mark(s, k, s.batch == 0);
     }
+    flushing_ = false;
     if (!s.sync) {
       accumulated_ += s.batch;
       first_accumulation_ = false;
@@ -471,6 +495,7 @@ class bucketed_reduce {
     if constexpr (sharded) keep = static_cast<Sharded const&>(*this).scattering();
     if (!view_ && (!ToRoot || s.group.rank() == 0) && !keep) {
       for (std::size_t i = 0; i < n; ++i) {
+        if (coalesce_ && staged_[bucket_of_[i]] == 0) continue;  // reduced in place
         auto const& spec = buckets_[bucket_of_[i]];
         ops::copy(s.grads[0][i], view_in(storage_[bucket_of_[i]], spec, slot_of_[i], counts_[i], s.devices[0]));
       }
@@ -498,6 +523,10 @@ class bucketed_reduce {
   std::vector<bool> ready_;
   std::vector<std::shared_ptr<std::byte>> storage_, accum_;  // from Backend::allocate
   std::vector<work> works_;
+  bool coalesce_ = false;   // this step: buckets not staged are reduced as lists of gradients
+  bool flushing_ = false;   // inside flush(): the step function has returned
+  std::vector<char> staged_;                    // per bucket: a gradient was copied into its storage
+  std::vector<std::vector<tensor_ref>> lists_;  // per bucket: its gradients (coalesce_), in slot order
   detail::hook_slot hook_;  // register_comm_hook's hook, if any
   std::size_t next_bucket_ = 0;
   std::size_t accumulated_ = 0;  // samples accumulated under no_sync since the last synced step

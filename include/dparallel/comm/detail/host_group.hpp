@@ -30,6 +30,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/coalesced.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/detail/subgroup_plan.hpp>
@@ -83,6 +84,7 @@ struct comm_call {
   std::size_t total = 0;  // reduce_scatter's in, all_gather's out (shown only)
   reduce_op op = reduce_op::sum;
   int root = 0;
+  std::size_t parts = 0;  // all_reduce_coalesced: the number of tensors (0: one buffer)
 
   [[nodiscard]] constexpr bool reduces() const noexcept {
     return kind == comm_kind::all_reduce || kind == comm_kind::reduce || kind == comm_kind::reduce_scatter;
@@ -94,6 +96,7 @@ struct comm_call {
   [[nodiscard]] friend constexpr bool matches(comm_call const& a, comm_call const& b) noexcept {
     if (a.kind != b.kind) return false;
     if (a.kind == comm_kind::barrier) return true;
+    // all_reduce and all_reduce_coalesced of as many elements match (any cut into tensors).
     return a.type == b.type && a.count == b.count && (!a.reduces() || a.op == b.op) &&
            (!a.rooted() || a.root == b.root);
   }
@@ -108,6 +111,7 @@ struct comm_task {
   tensor_ref b;
   std::chrono::milliseconds timeout{};
   work_promise done;
+  std::span<tensor_ref const> list{};  // all_reduce_coalesced's tensors (the caller keeps them)
 };
 
 /// "all_reduce(1000 x F32, sum)", "broadcast(7 x I32, root 0)", "all_gather(out 21 x F32, in 7 x F32)".
@@ -115,7 +119,11 @@ inline std::string describe(comm_call const& c) {
   auto elems = [&](std::size_t n) { return std::to_string(n) + " x " + std::string(name_of(c.type)); };
   std::string s(kind_name(c.kind));
   switch (c.kind) {
-    case comm_kind::all_reduce: return s + "(" + elems(c.count) + ", " + std::string(name_of(c.op)) + ")";
+    case comm_kind::all_reduce:
+      if (c.parts != 0)
+        return s + "_coalesced(" + elems(c.count) + " in " + std::to_string(c.parts) + " tensors, " +
+               std::string(name_of(c.op)) + ")";
+      return s + "(" + elems(c.count) + ", " + std::string(name_of(c.op)) + ")";
     case comm_kind::reduce:
       return s + "(" + elems(c.count) + ", " + std::string(name_of(c.op)) + ", root " + std::to_string(c.root) + ")";
     case comm_kind::broadcast: return s + "(" + elems(c.count) + ", root " + std::to_string(c.root) + ")";
@@ -153,7 +161,8 @@ class host_group {
         closed_(static_cast<std::size_t>(world_size), open),
         busy_(static_cast<std::size_t>(world_size), 0),
         calls_(static_cast<std::size_t>(world_size)),
-        bufs_(static_cast<std::size_t>(world_size)) {}
+        bufs_(static_cast<std::size_t>(world_size)),
+        lists_(static_cast<std::size_t>(world_size)) {}
   host_group(host_group const&) = delete;
   host_group& operator=(host_group const&) = delete;
 
@@ -163,8 +172,9 @@ class host_group {
   static constexpr std::size_t small_collective_bytes = std::size_t{64} << 10;
 
   /// Runs rank r's collective number `seq` (steps 1-4 above); returns its failure or null.
+  /// `list`: all_reduce_coalesced's tensors (call.parts of them), read in place as `a` otherwise.
   std::exception_ptr execute(int r, std::uint64_t seq, comm_call const& call, tensor_ref a, tensor_ref b,
-                             std::chrono::milliseconds timeout) {
+                             std::chrono::milliseconds timeout, std::span<tensor_ref const> list = {}) {
     auto const ur = static_cast<std::size_t>(r);
     std::unique_lock lock(m_);
     if (failure_) return error_for(r, seq, call);
@@ -173,6 +183,7 @@ class host_group {
     posted_[ur] = seq;
     calls_[ur] = call;
     bufs_[ur] = {a, b};
+    lists_[ur] = list;
     auto const arrived = [&] { return all_reached(posted_, seq); };
     if (call.count * size_of(call.type) <= small_collective_bytes) return execute_small(lock, r, seq, call, timeout);
     notify();
@@ -402,6 +413,11 @@ class host_group {
     auto const nn = static_cast<std::size_t>(n_);
     switch (call.kind) {
       case comm_kind::all_reduce:
+        if (std::any_of(calls_.begin(), calls_.end(), [](comm_call const& c) { return c.parts != 0; })) {
+          compute_coalesced(r, call, srcs, dsts);
+          return;
+        }
+        [[fallthrough]];
       case comm_kind::reduce: {
         for_each_stripe(call.count, n_, r, esz, [&](std::size_t lo, std::size_t hi) {
           for (int j = 0; j < n_; ++j) srcs[j] = at(j, 0, lo);
@@ -446,6 +462,40 @@ class host_group {
     }
   }
 
+  /// compute() for an all_reduce in which some rank passed a list of tensors
+  /// (all_reduce_coalesced): rank r's stripes of the array, in pieces that lie within one tensor
+  /// on every rank, each summed in rank order as all_reduce sums (the same bits).
+  void compute_coalesced(int r, comm_call const& call, void const** srcs, void** dsts) const {
+    std::size_t const esz = size_of(call.type);
+    auto const nn = static_cast<std::size_t>(n_);
+    constexpr std::size_t inline_ranks = 16;
+    std::array<coalesced_cursor, inline_ranks> cursor_inline;
+    std::vector<coalesced_cursor> cursor_heap;
+    coalesced_cursor* cursors = cursor_inline.data();
+    if (nn > inline_ranks) {
+      cursor_heap.resize(nn);
+      cursors = cursor_heap.data();
+    }
+    for (std::size_t j = 0; j < nn; ++j) {
+      bool const listed = calls_[j].parts != 0;
+      cursors[j] = coalesced_cursor(listed ? lists_[j] : std::span<tensor_ref const>(&bufs_[j][0], 1), esz);
+    }
+    for_each_stripe(call.count, n_, r, esz, [&](std::size_t lo, std::size_t hi) {
+      while (lo < hi) {
+        std::size_t len = hi - lo;
+        for (std::size_t j = 0; j < nn; ++j) {
+          auto const [at, run] = cursors[j].locate(lo);
+          dsts[j] = at;
+          srcs[j] = at;
+          len = std::min(len, run);
+        }
+        reduce_bytes(call.type, std::span<void const* const>(srcs, nn), std::span<void* const>(dsts, nn), len, call.op,
+                     n_);
+        lo += len;
+      }
+    });
+  }
+
   int n_;
   std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise
   std::mutex m_;
@@ -458,6 +508,7 @@ class host_group {
   std::vector<char> busy_;               // rank is inside step 3
   std::vector<comm_call> calls_;
   std::vector<std::array<tensor_ref, 2>> bufs_;
+  std::vector<std::span<tensor_ref const>> lists_;  // per rank: all_reduce_coalesced's tensors
   std::optional<comm_failure> failure_;
   std::atomic<std::uint64_t> epoch_{0};  // counts notify() calls (for spinning)
 };

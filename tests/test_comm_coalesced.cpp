@@ -1,0 +1,143 @@
+// process_group::all_reduce_coalesced on thread ranks: a list of tensors reduced in place as one
+// array gives the bits of all_reduce over a buffer holding them, whatever cut each rank makes
+// (and next to a peer's plain all_reduce); mismatched counts fail every rank, bad lists are
+// refused. And DDP, which reduces its copying buckets this way once the step function has
+// returned, leaves the gradients alone while the step function still runs.
+#include "models.hpp"
+#include "rank_threads.hpp"
+
+#include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/host.hpp>
+#include <dparallel/dparallel.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dp = dparallel;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// Rank r's cut of an array of `count` elements into tensor sizes (lengths that depend on the rank).
+std::vector<std::size_t> cut(std::size_t count, int r) {
+  std::vector<std::size_t> sizes;
+  std::size_t const pattern[] = {1, 15, 16, 17, 1000, 70001, 3};
+  std::size_t left = count, k = static_cast<std::size_t>(r);
+  while (left > 0) {
+    std::size_t const s = std::min(left, pattern[k++ % 7] * static_cast<std::size_t>(r + 1));
+    sizes.push_back(s);
+    left -= s;
+  }
+  return sizes;
+}
+
+template <class T>
+void check_against_all_reduce(int n, std::size_t count, dp::reduce_op op, bool plain_rank0) {
+  // With plain_rank0, rank 0 passes its array as one buffer to a plain all_reduce.
+  INFO(n << " ranks, " << count << " elements, op " << dp::name_of(op) << ", rank 0 plain " << plain_rank0);
+  // Rank r's array, twice: once cut into tensors (reduced coalesced), once whole (all_reduce).
+  std::vector<std::vector<T>> whole(static_cast<std::size_t>(n)), parts_data(static_cast<std::size_t>(n));
+  test::rng g{count * 31 + static_cast<std::uint64_t>(n)};
+  for (auto& v : whole) {
+    v.resize(count);
+    for (auto& x : v) x = static_cast<T>(static_cast<float>(g.uniform() * 2 - 1));
+  }
+  parts_data = whole;
+  std::vector<std::vector<dp::tensor_ref>> lists(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    std::size_t at = 0;
+    for (std::size_t s : cut(count, r)) {
+      lists[static_cast<std::size_t>(r)].push_back(
+          dp::tensor_ref(dp::view(parts_data[static_cast<std::size_t>(r)])).subview(at, s));
+      at += s;
+    }
+  }
+  auto coalesced = dp::host::make_group(n), plain = dp::host::make_group(n);
+  test::rethrow_first(test::on_ranks(coalesced, [&](int r, dp::process_group& grp) {
+    CHECK(grp.coalesces_in_place());
+    auto const ur = static_cast<std::size_t>(r);
+    if (plain_rank0 && r == 0) grp.all_reduce(dp::view(parts_data[0]), op).wait();
+    else grp.all_reduce_coalesced(lists[ur], op).wait();
+  }));
+  test::rethrow_first(test::on_ranks(plain, [&](int r, dp::process_group& grp) {
+    grp.all_reduce(dp::view(whole[static_cast<std::size_t>(r)]), op).wait();
+  }));
+  for (int r = 0; r < n; ++r)
+    CHECK(std::memcmp(parts_data[static_cast<std::size_t>(r)].data(), whole[static_cast<std::size_t>(r)].data(),
+                      count * sizeof(T)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("all_reduce_coalesced gives all_reduce's bits, whatever cut each rank makes", "[host][comm]") {
+  for (int n : {1, 2, 3, 4}) {
+    // 1000 elements: the one-meeting path of small collectives; the others: stripes.
+    for (std::size_t count : {std::size_t{1}, std::size_t{1000}, std::size_t{70001}, std::size_t{407050}}) {
+      for (auto op : {dp::reduce_op::sum, dp::reduce_op::avg}) {
+        check_against_all_reduce<float>(n, count, op, false);
+        if (n > 1) check_against_all_reduce<float>(n, count, op, true);
+      }
+      check_against_all_reduce<double>(n, count, dp::reduce_op::avg, n > 2);
+      check_against_all_reduce<dp::bf16>(n, count, dp::reduce_op::avg, false);
+    }
+  }
+}
+
+TEST_CASE("all_reduce_coalesced: a different count fails every rank; bad lists are refused", "[host][comm][error]") {
+  using Catch::Matchers::Contains;
+  std::vector<float> a(10), b(20), c(11);
+  auto groups = dp::host::make_group(2, 10s);
+  std::vector<dp::tensor_ref> mine{dp::view(a), dp::view(b)}, theirs{dp::view(b), dp::view(c)};
+  auto const errors = test::on_ranks(groups, [&](int r, dp::process_group& g) {
+    g.all_reduce_coalesced(r == 0 ? mine : theirs, dp::reduce_op::sum).wait();
+  });
+  for (auto const& e : errors) {
+    REQUIRE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (dp::comm_error const& x) {
+      CHECK_THAT(x.what(), Contains("mismatched collectives"));
+      CHECK_THAT(x.what(), Contains("all_reduce_coalesced(30 x F32 in 2 tensors, sum)"));
+      CHECK_THAT(x.what(), Contains("all_reduce_coalesced(31 x F32 in 2 tensors, sum)"));
+    }
+  }
+
+  auto one = dp::host::make_group(1);
+  std::vector<double> d(4);
+  std::vector<dp::tensor_ref> const mixed{dp::view(a), dp::view(d)};
+  CHECK_THROWS_WITH(one[0].all_reduce_coalesced(mixed), Contains("found tensor 1 of F64"));
+  auto empty = dp::host::make_group(1);
+  CHECK_THROWS_WITH(empty[0].all_reduce_coalesced({}), Contains("expected at least one tensor"));
+}
+
+TEST_CASE("DDP with copying buckets leaves the gradients alone until the step function returns",
+          "[host][ddp][contract]") {
+  using model = test::chunked<float>;
+  std::vector<std::size_t> const sizes = {3, 5, 1, 8, 2, 4};
+  auto const data = test::dataset<float>::make(8, model(sizes).dim, 9, false);
+  std::vector<std::vector<std::vector<float>>> local(2), seen(2), after(2);
+  dp::spawn(2, [&](dp::rank_context& rank) {
+    auto const r = static_cast<std::size_t>(rank.rank());
+    model m(sizes, 3);
+    dp::distributed_data_parallel<model> ddp(m, rank.group(), {.bucket_cap_mb = 16.0 / (1024 * 1024)});
+    ddp.step(dp::slice_batch(data.all(), 4 * r, 4 * r + 4), [&](model& x, test::samples<float> s, dp::step_context& ctx) {
+      x.forward_backward(s, &ctx);  // marks every gradient ready as backward produces it
+      local[r] = x.g;
+      std::this_thread::sleep_for(50ms);  // time for the buckets' all-reduces to finish meanwhile
+      seen[r] = x.g;                      // still this rank's own gradients
+    });
+    after[r] = m.g;
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(seen[r] == local[r]);
+    CHECK(after[r] == after[0]);
+  }
+  CHECK(local[0] != local[1]);
+  CHECK(after[0] != local[0]);
+}
