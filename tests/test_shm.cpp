@@ -71,7 +71,19 @@ std::string exercise(dpl::process_group const& g, std::vector<std::size_t> const
   for (std::size_t len : sizes) {
     for (auto op : {dpl::reduce_op::sum, dpl::reduce_op::avg}) {
       auto a = numbers<T>(r, len, ++seed);
+      auto cut = a;  // the same input cut into tensors, reduced with all_reduce_coalesced
       g.all_reduce(dpl::view(a), op).wait();
+      if (len != 0) {
+        // Each rank cuts its array differently, and rank 1 passes it whole to a plain all_reduce:
+        // the results must be all_reduce's bits.
+        std::vector<dpl::tensor_ref> parts;
+        std::size_t const piece = 1 + len / (3 + ur);
+        for (std::size_t at = 0; at < len; at += piece)
+          parts.push_back(dpl::tensor_ref(dpl::view(cut)).subview(at, std::min(piece, len - at)));
+        if (r == 1) g.all_reduce(dpl::view(cut), op).wait();
+        else g.all_reduce_coalesced(parts, op).wait();
+        out += std::memcmp(cut.data(), a.data(), len * sizeof(T)) == 0 ? "=" : "!";
+      }
       auto b = numbers<T>(r, len, ++seed);
       g.reduce(dpl::view(b), static_cast<int>(seed % un), op).wait();
       auto in = numbers<T>(r, len * un, ++seed);
@@ -125,8 +137,13 @@ std::string ddp_hash(dpl::process_group const& group) {
     auto const data = test::dataset<float>::make(5 * static_cast<std::size_t>(world), m.dim,
                                                  static_cast<std::uint64_t>(step + 3), false);
     auto const first = static_cast<std::size_t>(rank) * 5;
+    // Steps 0 and 1 mark gradients ready during backward (buckets copied and overlapped); steps 2
+    // and 3 do not (buckets reduced after the step function, as lists of the gradients).
+    bool const overlap = step < 2;
     ddp.step(dpl::slice_batch(data.all(), first, first + 5),
-             [](model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
+             [overlap](model& r, test::samples<float> s, dpl::step_context& ctx) {
+               return r.forward_backward(s, overlap ? &ctx : nullptr);
+             });
     ddp.module().sgd(0.1f);
   }
   return std::to_string(test::param_hash(m));

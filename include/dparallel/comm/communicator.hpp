@@ -248,8 +248,9 @@ class process_group {
   /// Ends a hold().
   void release() const { get().release(); }
 
-  /// Whether all_reduce_coalesced is available: the engine reduces a list of tensors in place, as
-  /// one array, without copying them into a buffer (the host engine of thread ranks).
+  /// Whether all_reduce_coalesced is available: the engine reduces a list of tensors as one array
+  /// without a buffer of its own (the host engine of thread ranks reads them in place; the
+  /// shared-memory engine copies them into its segment and the sums out).
   [[nodiscard]] bool coalesces_in_place() const { return get().coalesces_in_place(); }
   /// all_reduce of `tensors` read as one array (their elements one after the other), in place: the
   /// same results, bit for bit, as an all_reduce of a buffer holding them. Every rank's array has

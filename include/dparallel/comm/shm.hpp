@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -93,6 +94,24 @@ class communicator {
   work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
     return issue(checked({kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0}, t, "t"), t, {});
   }
+  /// See process_group::all_reduce_coalesced: the tensors, read as one array, copied into the
+  /// segment and the sums out of it with no buffer of their own (the same bits as all_reduce of
+  /// that array). `tensors` is read while the collective runs: keep it alive and unchanged.
+  work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) {
+    dparallel::detail::comm_call c{kind::all_reduce, tensors.empty() ? dtype::f32 : tensors[0].dtype(), 0, 0, op, 0,
+                                   tensors.size()};
+    for (std::size_t k = 0; k < tensors.size(); ++k) {
+      if (tensors[k].dtype() != c.type)
+        reject(c, "expected every tensor of " + std::string(name_of(c.type)) + " (tensor 0's), found tensor " +
+                      std::to_string(k) + " of " + std::string(name_of(tensors[k].dtype())));
+      (void)checked(c, tensors[k], "tensors[k]");
+      c.count += tensors[k].size();
+    }
+    if (tensors.empty()) reject(c, "expected at least one tensor, found an empty list");
+    c.total = c.count;
+    return issue(c, {}, {}, tensors);
+  }
+
   /// See dparallel::communicator: in place onto `root`, summed in rank order.
   work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
     return issue(checked({kind::reduce, t.dtype(), t.size(), t.size(), op, root}, t, "t"), t, {});
@@ -155,10 +174,11 @@ class communicator {
   using kind = dparallel::detail::comm_kind;
   using task = dparallel::detail::comm_task;
 
-  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b,
+             std::span<tensor_ref const> list = {}) {
     dparallel::detail::work_promise p;
     work w = p.get_work();
-    queue_.push([&] { return task{next_seq_++, c, a, b, timeout(), std::move(p)}; });
+    queue_.push([&] { return task{next_seq_++, c, a, b, timeout(), std::move(p), list}; });
     return w;
   }
 
@@ -179,6 +199,11 @@ class communicator {
     if (problem.empty() && c.kind == kind::all_gather)  // in is the small one
       problem = dparallel::detail::blocks_problem(y, x, yn, xn, size(), rank());
     if (problem.empty()) return c;
+    reject(c, problem);
+  }
+
+  // Invalid arguments abort the group, then throw invalid_argument on the caller.
+  [[noreturn]] void reject(dparallel::detail::comm_call const& c, std::string const& problem) {
     std::string const msg = std::string(dparallel::detail::kind_name(c.kind)) + " on rank " + std::to_string(rank()) +
                             ": " + problem;
     group_->abort(rank(), "invalid arguments to " + msg);
@@ -196,7 +221,7 @@ class communicator {
   void run(task& t) {
     std::exception_ptr failure;
     try {
-      failure = runner_.run(t.seq, t.call, t.a, t.b, t.timeout);
+      failure = runner_.run(t.seq, t.call, t.a, t.b, t.timeout, t.list);
     } catch (...) {
       failure = std::current_exception();
     }

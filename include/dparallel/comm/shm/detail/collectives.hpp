@@ -18,10 +18,13 @@
 //   broadcast: the root copies the chunk into the result area; meet; the others copy it out; meet;
 //   reduce_scatter: copy in every block's part of the chunk; meet; sum this rank's block; meet;
 //   all_gather: copy the chunk in; meet; copy every rank's chunk out; meet.
+// all_reduce_coalesced reads a list of tensors as one array: the same steps, copying the list in
+// and the sums out run by run (small_list, chunked_list), so it matches a peer's all_reduce.
 // The first meeting of every collective also compares the ranks' descriptors of it (check()).
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/coalesced.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/shm/detail/group.hpp>
@@ -48,8 +51,9 @@ class shm_runner {
   explicit shm_runner(shm_group& g) : g_(g), srcs_(static_cast<std::size_t>(g.size())) {}
 
   /// Collective `seq` of this rank: its failure, or null.
+  /// `list`: all_reduce_coalesced's tensors (c.parts of them), in place of `a`.
   std::exception_ptr run(std::uint64_t seq, comm_call const& c, tensor_ref a, tensor_ref b,
-                         std::chrono::milliseconds timeout) {
+                         std::chrono::milliseconds timeout, std::span<tensor_ref const> list = {}) {
     if (g_.failed()) return g_.error(seq, c);
     seq_ = seq;
     call_ = c;
@@ -59,8 +63,10 @@ class shm_runner {
     A_ = static_cast<std::byte*>(a.data());
     B_ = static_cast<std::byte*>(b.data());
     esz_ = size_of(c.type);
+    list_ = list;
     bool ok = true;
-    if (c.kind == comm_kind::barrier) ok = meet();
+    if (c.parts != 0) ok = input_bytes() <= g_.segment().layout().small ? small_list() : chunked_list();
+    else if (c.kind == comm_kind::barrier) ok = meet();
     else if (input_bytes() <= g_.segment().layout().small) ok = small();
     else ok = chunked();
     return ok ? nullptr : g_.error(seq, c);
@@ -193,7 +199,55 @@ class shm_runner {
     return checked_ || meet();  // a collective with no elements still meets (and is checked) once
   }
 
+  // Elements [lo, lo + len) of this rank's list (read as one array) to or from `flat`: `into`
+  // copies the list into flat, else flat into the list. `at` only moves forward.
+  void move_list(coalesced_cursor& at, std::size_t lo, std::size_t len, std::byte* flat, bool into) {
+    for (std::size_t done = 0; done < len;) {
+      auto const [p, run] = at.locate(lo + done);
+      std::size_t const m = std::min(run, len - done);
+      if (into) copy(flat + done * esz_, reinterpret_cast<std::byte*>(p), m * esz_);
+      else copy(reinterpret_cast<std::byte*>(p), flat + done * esz_, m * esz_);
+      done += m;
+    }
+  }
+
+  // all_reduce_coalesced, small: the list into this rank's small slot; meet; the sums of every
+  // slot written straight into the list, a run of one tensor at a time.
+  bool small_list() {
+    coalesced_cursor in(list_, esz_), out(list_, esz_);
+    move_list(in, 0, call_.count, small_slot(g_.rank()), true);
+    if (!meet()) return false;
+    auto const slot = [&](int j) { return small_slot(j); };
+    for (std::size_t lo = 0; lo < call_.count;) {
+      auto const [p, run] = out.locate(lo);
+      reduce_from(slot, lo * esz_, {p}, run);
+      lo += run;
+    }
+    return true;
+  }
+
+  // all_reduce_coalesced, in chunks: the whole chunk into this rank's slot (its own slice too);
+  // meet; slice r of the sums into the result area; meet; the whole chunk out into the list.
+  // The same sums, in rank order, as chunked(): the same bits.
+  bool chunked_list() {
+    int const r = g_.rank();
+    std::size_t const step = std::max<std::size_t>(1, g_.segment().layout().chunk / esz_);
+    coalesced_cursor in(list_, esz_), out(list_, esz_);
+    auto const slot = [&](int j) { return chunk_slot(j); };
+    for (std::size_t lo = 0; lo < call_.count; lo += step) {
+      std::size_t const len = std::min(step, call_.count - lo);
+      move_list(in, lo, len, chunk_slot(r), true);
+      if (!meet()) return false;
+      auto const [s0, s1] = rank_slice(len, g_.size(), r);
+      if (s1 > s0) reduce_from(slot, s0 * esz_, {result() + s0 * esz_}, s1 - s0);
+      if (!meet()) return false;
+      move_list(out, lo, len, result(), false);
+    }
+    return checked_ || meet();
+  }
+
   shm_group& g_;
+  std::span<tensor_ref const> list_;  // all_reduce_coalesced's tensors
   std::vector<void const*> srcs_;
   std::uint64_t seq_ = 0;
   comm_call call_{};
