@@ -41,6 +41,9 @@ namespace policy {
 ///   plan_views). Every rank's plan is checked against rank 0's at construction (a signature
 ///   all-gathered), so ranks that would issue different collectives fail there, every one of
 ///   them, with an error that says why.
+/// - Without gradient_as_bucket_view, on an engine with process_group::all_reduce_coalesced
+///   (thread ranks, shared memory), a bucket whose gradients were all marked after the step
+///   function returned is reduced as the list of its gradients instead: no copies, the same bits.
 /// - register_comm_hook (the all-reduce form only) replaces each bucket's average by a hook's
 ///   reduction (policy/comm_hook.hpp); without one, the buckets are averaged by the group.
 ///
@@ -115,11 +118,11 @@ class bucketed_reduce {
     for (std::size_t b = 0; b < buckets_.size(); ++b) pending_[b] = buckets_[b].params.size();
     works_.assign(buckets_.size(), work{});
     first_accumulation_ = accumulated_ == 0;
-    // Copying buckets on an engine that reduces lists in place (thread ranks): a bucket whose
+    // Copying buckets on an engine with all_reduce_coalesced (thread ranks, shared memory): a bucket whose
     // gradients are all marked after the step function returned (none by grad_ready during
     // backward, which must leave the gradients alone until the step ends) is all-reduced as the
-    // list of its gradients, in place: the bits of the copy's all-reduce without the copies into
-    // bucket storage and back.
+    // list of its gradients: the bits of the copy's all-reduce without the copies into bucket
+    // storage and back.
     coalesce_ = false;
     flushing_ = false;
     if constexpr (!ToRoot && !sharded) coalesce_ = !view_ && s.sync && !hook_.active() && s.group.coalesces_in_place();
