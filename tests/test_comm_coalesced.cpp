@@ -59,8 +59,8 @@ void check_against_all_reduce(int n, std::size_t count, dp::reduce_op op, bool p
     }
   }
   auto coalesced = dp::host::make_group(n), plain = dp::host::make_group(n);
+  for (auto const& grp : coalesced) CHECK(grp.coalesces_in_place());
   test::rethrow_first(test::on_ranks(coalesced, [&](int r, dp::process_group& grp) {
-    CHECK(grp.coalesces_in_place());
     auto const ur = static_cast<std::size_t>(r);
     if (plain_rank0 && r == 0) grp.all_reduce(dp::view(parts_data[0]), op).wait();
     else grp.all_reduce_coalesced(lists[ur], op).wait();
@@ -89,7 +89,7 @@ TEST_CASE("all_reduce_coalesced gives all_reduce's bits, whatever cut each rank 
   }
 }
 
-TEST_CASE("all_reduce_coalesced: a different count fails every rank; bad lists are refused", "[host][comm][error]") {
+TEST_CASE("all_reduce_coalesced: a different count fails every rank, bad lists are refused", "[host][comm][error]") {
   using Catch::Matchers::Contains;
   std::vector<float> a(10), b(20), c(11);
   auto groups = dp::host::make_group(2, 10s);
