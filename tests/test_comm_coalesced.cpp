@@ -1,7 +1,8 @@
 // process_group::all_reduce_coalesced on thread ranks: a list of tensors reduced in place as one
 // array gives the bits of all_reduce over a buffer holding them, whatever cut each rank makes
 // (and next to a peer's plain all_reduce); mismatched counts fail every rank, bad lists are
-// refused. And DDP, which reduces its copying buckets this way once the step function has
+// refused. The same for reduce_scatter_coalesced and all_gather_coalesced against their plain
+// forms. And DDP, which reduces its copying buckets this way once the step function has
 // returned, leaves the gradients alone while the step function still runs.
 #include "models.hpp"
 #include "rank_threads.hpp"
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <thread>
 #include <vector>
@@ -73,6 +75,88 @@ void check_against_all_reduce(int n, std::size_t count, dp::reduce_op op, bool p
                       count * sizeof(T)) == 0);
 }
 
+/// Rank r's array `data` cut as cut() says, as a list of views.
+template <class T>
+std::vector<dp::tensor_ref> cut_list(std::vector<T>& data, int r) {
+  std::vector<dp::tensor_ref> list;
+  std::size_t at = 0;
+  for (std::size_t s : cut(data.size(), r)) {
+    list.push_back(dp::tensor_ref(dp::view(data)).subview(at, s));
+    at += s;
+  }
+  return list;
+}
+
+template <class T>
+void check_against_reduce_scatter(int n, std::size_t block, dp::reduce_op op, bool plain_rank0) {
+  INFO(n << " ranks, blocks of " << block << ", op " << dp::name_of(op) << ", rank 0 plain " << plain_rank0);
+  auto const un = static_cast<std::size_t>(n);
+  std::vector<std::vector<T>> whole(un), parts_data(un), out_plain(un, std::vector<T>(block)),
+      out_listed(un, std::vector<T>(block));
+  test::rng g{block * 17 + un};
+  for (auto& v : whole) {
+    v.resize(un * block);
+    for (auto& x : v) x = static_cast<T>(static_cast<float>(g.uniform() * 2 - 1));
+  }
+  parts_data = whole;
+  std::vector<std::vector<dp::tensor_ref>> lists(un);
+  for (int r = 0; r < n; ++r) lists[static_cast<std::size_t>(r)] = cut_list(parts_data[static_cast<std::size_t>(r)], r);
+  auto coalesced = dp::host::make_group(n), plain = dp::host::make_group(n);
+  test::rethrow_first(test::on_ranks(coalesced, [&](int r, dp::process_group& grp) {
+    auto const ur = static_cast<std::size_t>(r);
+    if (plain_rank0 && r == 0) grp.reduce_scatter(dp::view(out_listed[0]), dp::view(parts_data[0]), op).wait();
+    else grp.reduce_scatter_coalesced(dp::view(out_listed[ur]), lists[ur], op).wait();
+  }));
+  test::rethrow_first(test::on_ranks(plain, [&](int r, dp::process_group& grp) {
+    auto const ur = static_cast<std::size_t>(r);
+    grp.reduce_scatter(dp::view(out_plain[ur]), dp::view(whole[ur]), op).wait();
+  }));
+  for (std::size_t r = 0; r < un; ++r) {
+    CHECK(std::memcmp(out_listed[r].data(), out_plain[r].data(), block * sizeof(T)) == 0);
+    CHECK(std::memcmp(parts_data[r].data(), whole[r].data(), un * block * sizeof(T)) == 0);  // inputs unchanged
+  }
+}
+
+template <class T>
+void check_all_gather(int n, std::size_t block, bool plain_rank0) {
+  INFO(n << " ranks, blocks of " << block << ", rank 0 plain " << plain_rank0);
+  auto const un = static_cast<std::size_t>(n);
+  std::vector<std::vector<T>> arrays(un, std::vector<T>(un * block, static_cast<T>(-7.0f)));
+  std::vector<T> expected(un * block);
+  test::rng g{block * 5 + un};
+  for (std::size_t r = 0; r < un; ++r)
+    for (std::size_t i = 0; i < block; ++i)
+      expected[r * block + i] = arrays[r][r * block + i] = static_cast<T>(static_cast<float>(g.uniform()));
+  std::vector<std::vector<dp::tensor_ref>> lists(un);
+  for (int r = 0; r < n; ++r) lists[static_cast<std::size_t>(r)] = cut_list(arrays[static_cast<std::size_t>(r)], r);
+  auto groups = dp::host::make_group(n);
+  test::rethrow_first(test::on_ranks(groups, [&](int r, dp::process_group& grp) {
+    auto const ur = static_cast<std::size_t>(r);
+    if (plain_rank0 && r == 0) {
+      dp::tensor_ref const out = dp::view(arrays[0]);
+      grp.all_gather(out, out.subview(0, block)).wait();
+    } else {
+      grp.all_gather_coalesced(lists[ur]).wait();
+    }
+  }));
+  for (std::size_t r = 0; r < un; ++r) CHECK(std::memcmp(arrays[r].data(), expected.data(), un * block * sizeof(T)) == 0);
+}
+
+/// Every rank failed with a mismatched-collectives error that shows both calls.
+void check_mismatch(std::vector<std::exception_ptr> const& errors, std::string const& one, std::string const& other) {
+  using Catch::Matchers::Contains;
+  for (auto const& e : errors) {
+    REQUIRE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (dp::comm_error const& x) {
+      CHECK_THAT(x.what(), Contains("mismatched collectives"));
+      CHECK_THAT(x.what(), Contains(one));
+      CHECK_THAT(x.what(), Contains(other));
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("all_reduce_coalesced gives all_reduce's bits, whatever cut each rank makes", "[host][comm]") {
@@ -97,16 +181,8 @@ TEST_CASE("all_reduce_coalesced: a different count fails every rank, bad lists a
   auto const errors = test::on_ranks(groups, [&](int r, dp::process_group& g) {
     g.all_reduce_coalesced(r == 0 ? mine : theirs, dp::reduce_op::sum).wait();
   });
-  for (auto const& e : errors) {
-    REQUIRE(e);
-    try {
-      std::rethrow_exception(e);
-    } catch (dp::comm_error const& x) {
-      CHECK_THAT(x.what(), Contains("mismatched collectives"));
-      CHECK_THAT(x.what(), Contains("all_reduce_coalesced(30 x F32 in 2 tensors, sum)"));
-      CHECK_THAT(x.what(), Contains("all_reduce_coalesced(31 x F32 in 2 tensors, sum)"));
-    }
-  }
+  check_mismatch(errors, "all_reduce_coalesced(30 x F32 in 2 tensors, sum)",
+                 "all_reduce_coalesced(31 x F32 in 2 tensors, sum)");
 
   auto one = dp::host::make_group(1);
   std::vector<double> d(4);
@@ -114,6 +190,50 @@ TEST_CASE("all_reduce_coalesced: a different count fails every rank, bad lists a
   CHECK_THROWS_WITH(one[0].all_reduce_coalesced(mixed), Contains("found tensor 1 of F64"));
   auto empty = dp::host::make_group(1);
   CHECK_THROWS_WITH(empty[0].all_reduce_coalesced({}), Contains("expected at least one tensor"));
+}
+
+TEST_CASE("reduce_scatter_coalesced and all_gather_coalesced give their plain forms' bits, whatever the cuts",
+          "[host][comm]") {
+  for (int n : {1, 2, 3, 4}) {
+    // 300 elements per block: the one-meeting path of small collectives; the others: large.
+    for (std::size_t block : {std::size_t{1}, std::size_t{300}, std::size_t{20000}, std::size_t{100003}}) {
+      for (auto op : {dp::reduce_op::sum, dp::reduce_op::avg}) {
+        check_against_reduce_scatter<float>(n, block, op, false);
+        if (n > 1) check_against_reduce_scatter<float>(n, block, op, true);
+      }
+      check_against_reduce_scatter<dp::bf16>(n, block, dp::reduce_op::avg, n > 2);
+      check_all_gather<float>(n, block, false);
+      if (n > 1) check_all_gather<float>(n, block, true);
+      check_all_gather<dp::bf16>(n, block, n > 2);
+    }
+  }
+}
+
+TEST_CASE("reduce_scatter_coalesced and all_gather_coalesced: mismatches fail every rank, bad lists are refused",
+          "[host][comm][error]") {
+  using Catch::Matchers::Contains;
+  std::vector<float> a(10), b(20), c(12), out(15), out16(16);
+  auto groups = dp::host::make_group(2, 10s);
+  std::vector<dp::tensor_ref> mine{dp::view(a), dp::view(b)}, theirs{dp::view(b), dp::view(c)};
+  auto const errors = test::on_ranks(groups, [&](int r, dp::process_group& g) {
+    if (r == 0) g.reduce_scatter_coalesced(dp::view(out), mine).wait();
+    else g.reduce_scatter_coalesced(dp::view(out16), theirs).wait();
+  });
+  check_mismatch(errors, "reduce_scatter_coalesced(out 15 x F32, in 30 x F32 in 2 tensors, sum)",
+                 "reduce_scatter_coalesced(out 16 x F32, in 32 x F32 in 2 tensors, sum)");
+
+  auto two = dp::host::make_group(2, 10s);
+  CHECK_THROWS_WITH(two[1].reduce_scatter_coalesced(dp::view(out16), mine),
+                    Contains("expected the tensors to hold size() * out.size() = 2 * 16 = 32 elements, found 30"));
+  std::vector<dp::tensor_ref> const odd{dp::view(a), dp::tensor_ref(dp::view(c)).subview(0, 11)};
+  CHECK_THROWS_WITH(two[0].all_gather_coalesced(odd), Contains("expected the tensors to hold size() = 2 blocks"));
+  auto three = dp::host::make_group(2, 10s);
+  std::vector<dp::tensor_ref> const in{dp::view(b)};
+  CHECK_THROWS_WITH(three[0].reduce_scatter_coalesced(dp::tensor_ref(dp::view(b)).subview(5, 10), in),
+                    Contains("expected `out` apart from the tensors it reduces, found it overlapping tensor 0"));
+  std::vector<double> d(10);
+  auto four = dp::host::make_group(2, 10s);
+  CHECK_THROWS_WITH(four[0].reduce_scatter_coalesced(dp::view(d), in), Contains("expected `out` of the tensors' dtype F32"));
 }
 
 TEST_CASE("DDP with copying buckets leaves the gradients alone until the step function returns",

@@ -14,6 +14,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "models.hpp"
+
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -34,11 +36,8 @@ struct wide {
   std::vector<float> stats;
 
   wide(std::vector<std::size_t> const& sizes, std::size_t buffer, std::uint64_t seed) : stats(buffer) {
-    std::uint64_t s = seed;
-    auto next = [&] {
-      s = s * 6364136223846793005ull + 1442695040888963407ull;
-      return static_cast<float>(static_cast<double>(s >> 40) / static_cast<double>(1ull << 24) * 2 - 1);
-    };
+    test::rng r{seed};
+    auto next = [&] { return static_cast<float>(r.uniform() * 2 - 1); };
     for (auto n : sizes) {
       w.emplace_back(n);
       g.emplace_back(n);

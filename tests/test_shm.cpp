@@ -1,5 +1,5 @@
-// The shared-memory communicator between real processes (fork): every collective gives the bits of
-// the thread-rank host communicator (2, 3 and 4 processes; empty, one-element, odd and multi-chunk
+// The shared-memory communicator between real processes (fork): every collective (the *_coalesced
+// ones over lists of tensors too) gives the bits of the thread-rank host communicator (2, 3 and 4 processes; empty, one-element, odd and multi-chunk
 // sizes; the one-meeting and the chunked paths); DDP over N processes, bootstrapped through pipes
 // or launched torchrun-style (RANK, WORLD_SIZE, ... set in each child, the TCP rendezvous), trains
 // bitwise the parameters of DDP over N thread ranks; and the faults: a process killed while it
@@ -7,6 +7,7 @@
 // calls, abort. After every scenario, /dev/shm holds no segment of the scenario's processes.
 #include "fork_ranks.hpp"
 #include "models.hpp"
+#include "test_zero_common.hpp"
 
 #include <dparallel/comm/host.hpp>
 #include <dparallel/comm/shm.hpp>
@@ -60,6 +61,15 @@ std::vector<T> numbers(int rank, std::size_t n, std::uint64_t seed) {
   return v;
 }
 
+/// `v` cut into tensors of `piece` elements (the last one shorter).
+template <class T>
+std::vector<dpl::tensor_ref> cut_into(std::vector<T>& v, std::size_t piece) {
+  std::vector<dpl::tensor_ref> parts;
+  for (std::size_t at = 0; at < v.size(); at += piece)
+    parts.push_back(dpl::tensor_ref(dpl::view(v)).subview(at, std::min(piece, v.size() - at)));
+  return parts;
+}
+
 /// Every kind of collective through `g`, over `sizes`; the digest of every output buffer.
 template <class T>
 std::string exercise(dpl::process_group const& g, std::vector<std::size_t> const& sizes, std::uint64_t& seed) {
@@ -76,10 +86,7 @@ std::string exercise(dpl::process_group const& g, std::vector<std::size_t> const
       if (len != 0) {
         // Each rank cuts its array differently, and rank 1 passes it whole to a plain all_reduce:
         // the results must be all_reduce's bits.
-        std::vector<dpl::tensor_ref> parts;
-        std::size_t const piece = 1 + len / (3 + ur);
-        for (std::size_t at = 0; at < len; at += piece)
-          parts.push_back(dpl::tensor_ref(dpl::view(cut)).subview(at, std::min(piece, len - at)));
+        auto const parts = cut_into(cut, 1 + len / (3 + ur));
         if (r == 1) g.all_reduce(dpl::view(cut), op).wait();
         else g.all_reduce_coalesced(parts, op).wait();
         out += std::memcmp(cut.data(), a.data(), len * sizeof(T)) == 0 ? "=" : "!";
@@ -91,6 +98,13 @@ std::string exercise(dpl::process_group const& g, std::vector<std::size_t> const
       g.reduce_scatter(dpl::view(o), dpl::view(in), op).wait();
       auto in2 = numbers<T>(r, len * un, ++seed);  // in place: out is in's block r
       g.reduce_scatter(dpl::tensor_view<T>(in2.data() + ur * len, len), dpl::view(in2), op).wait();
+      if (len != 0) {  // `in` cut into tensors (differently by each rank; rank 1 plain): o's bits
+        std::vector<T> o3(len);
+        auto const parts = cut_into(in, 1 + len * un / (3 + ur));
+        if (r == 1) g.reduce_scatter(dpl::view(o3), dpl::view(in), op).wait();
+        else g.reduce_scatter_coalesced(dpl::view(o3), parts, op).wait();
+        out += std::memcmp(o3.data(), o.data(), len * sizeof(T)) == 0 ? "=" : "!";
+      }
       out += digest(a) + digest(b) + digest(o) + digest(in2);
     }
     auto c = numbers<T>(r, len, ++seed);
@@ -101,6 +115,14 @@ std::string exercise(dpl::process_group const& g, std::vector<std::size_t> const
     std::vector<T> all2(len * un, T(7));  // in place: in is out's block r
     std::copy(mine.begin(), mine.end(), all2.begin() + static_cast<std::ptrdiff_t>(ur * len));
     g.all_gather(dpl::view(all2), dpl::tensor_view<T>(all2.data() + ur * len, len)).wait();
+    if (len != 0) {  // in place over a list (each rank's own cut; rank 1 plain): all's bits
+      std::vector<T> all3(len * un, T(5));
+      std::copy(mine.begin(), mine.end(), all3.begin() + static_cast<std::ptrdiff_t>(ur * len));
+      auto const parts = cut_into(all3, 1 + len * un / (2 + ur));
+      if (r == 1) g.all_gather(dpl::view(all3), dpl::tensor_view<T>(all3.data() + ur * len, len)).wait();
+      else g.all_gather_coalesced(parts).wait();
+      out += all3 == all ? "=" : "!";
+    }
     out += digest(c) + digest(all) + digest(all2) + "|";
   }
   // Several in flight, waited for in reverse order.
@@ -147,6 +169,14 @@ std::string ddp_hash(dpl::process_group const& group) {
     ddp.module().sgd(0.1f);
   }
   return std::to_string(test::param_hash(m));
+}
+
+/// 20 steps of ZeRO-1 (zero) or DDP with the same update rule, tiny buckets (padded ones among
+/// them) or default ones: the parameter hash after every step.
+std::string zero_hashes(dpl::process_group const& group, bool zero, bool tiny) {
+  std::string out;
+  for (auto h : test::train_zero_or_ddp(group, zero, false, tiny).hashes) out += std::to_string(h) + ",";
+  return out;
 }
 
 /// What each thread rank of a `world`-rank spawn reports for `f`.
@@ -247,6 +277,27 @@ TEST_CASE("shm: DDP over N processes trains the parameters of DDP over N thread 
       CHECK(got[static_cast<std::size_t>(r)].text == ref[0]);
     }
     require_no_segments_of(pids);
+  }
+}
+
+TEST_CASE("shm: ZeRO-1 over N processes trains bitwise DDP's parameters over N thread ranks", "[shm][zero]") {
+  // Reduce-scattered from the gradients and all-gathered into the parameters as lists.
+  for (int n : {2, 3}) {
+    for (bool tiny : {false, true}) {
+      auto const ref = thread_reference(n, [&](dpl::process_group const& g) { return zero_hashes(g, false, tiny); });
+      std::vector<pid_t> pids;
+      auto const got = run_ranks(
+          n,
+          [&](int rank, dpl::shm::bootstrap_fn const& share) {
+            return zero_hashes(dpl::shm::make_group(rank, n, share, 60s), true, tiny);
+          },
+          &pids);
+      for (int r = 0; r < n; ++r) {
+        INFO(n << " processes, tiny buckets " << tiny << ", rank " << r);
+        CHECK(got[static_cast<std::size_t>(r)].text == ref[0]);
+      }
+      require_no_segments_of(pids);
+    }
   }
 }
 

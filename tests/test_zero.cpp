@@ -55,6 +55,12 @@ std::vector<std::string> errors_of(int world, F fn) {
   return seen;
 }
 
+/// Half `k` (0 or 1) of rank `rank`'s 8 samples of `d`.
+test::samples<float> half_of_rank(test::dataset<float> const& d, int rank, std::size_t k) {
+  std::size_t const lo = static_cast<std::size_t>(rank) * 8 + 4 * k;
+  return dpl::slice_batch(d.all(), lo, lo + 4);
+}
+
 auto const plain_step = [](model& r, test::samples<float> s) { return r.forward_backward(s); };
 
 }  // namespace
@@ -174,10 +180,7 @@ TEST_CASE("ZeRO-1 with no_sync accumulation equals DDP with no_sync", "[host][ze
       dpl::spawn(world, [&](dpl::rank_context& rank) {
         model m(test::zero_sizes());
         auto const d = test::dataset<float>::make(8 * static_cast<std::size_t>(world), m.dim, 5, false);
-        auto const part = [&](std::size_t k) {
-          std::size_t const lo = static_cast<std::size_t>(rank.rank()) * 8 + 4 * k;
-          return dpl::slice_batch(d.all(), lo, lo + 4);
-        };
+        auto const part = [&](std::size_t k) { return half_of_rank(d, rank.rank(), k); };
         if (zero) {
           dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
           dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
@@ -205,6 +208,41 @@ TEST_CASE("ZeRO-1 with no_sync accumulation equals DDP with no_sync", "[host][ze
       });
     }
     for (auto const& g : got) CHECK(g == got[0]);
+  }
+}
+
+TEST_CASE("ZeRO-1 leaves the model's gradients as the step function computed them", "[host][zero][contract]") {
+  // Plain steps (gradients reduce-scattered from a list, in place, on thread ranks), steps after
+  // no_sync accumulation and steps that mark gradients ready (both staged through bucket storage).
+  for (int world : {2, 3}) {
+    for (int mode : {0, 1, 2}) {
+      INFO("world " << world << ", mode " << mode);
+      std::vector<char> same(static_cast<std::size_t>(world), 0);
+      dpl::spawn(world, [&](dpl::rank_context& rank) {
+        model m(test::zero_sizes());
+        auto const d = test::dataset<float>::make(8 * static_cast<std::size_t>(world), m.dim, 7, false);
+        auto const part = [&](std::size_t k) { return half_of_rank(d, rank.rank(), k); };
+        dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
+        dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+        bool ok = true;
+        for (int step = 0; step < 3; ++step) {
+          if (mode == 1) {
+            auto s = w.no_sync();
+            w.step(part(0), plain_step);
+          }
+          std::vector<std::vector<float>> computed;
+          w.step(part(1), [&](model& x, test::samples<float> s, dpl::step_context& ctx) {
+            auto const loss = mode == 2 ? x.forward_backward(s, &ctx) : x.forward_backward(s);
+            computed = x.g;
+            return loss;
+          });
+          if (step > 0) ok = ok && m.g == computed;  // the first step all-reduces, as DDP (documented)
+          opt.step(0.01);
+        }
+        same[static_cast<std::size_t>(rank.rank())] = ok ? 1 : 0;
+      });
+      for (char c : same) CHECK(c == 1);
+    }
   }
 }
 

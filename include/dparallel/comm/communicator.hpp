@@ -89,6 +89,8 @@ class communicator_interface {
   virtual void release() = 0;
   [[nodiscard]] virtual bool coalesces_in_place() const = 0;
   virtual work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) = 0;
+  virtual work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op) = 0;
+  virtual work all_gather_coalesced(std::span<tensor_ref const> tensors) = 0;
   /// Every parent rank calls it with the same plan (but its own place): this rank's subgroup,
   /// empty when it is in none.
   virtual process_group subgroup(subgroup_plan const& plan) = 0;
@@ -141,20 +143,34 @@ class communicator_model final : public communicator_interface {
   void release() override {
     if constexpr (requires { c_->release(); }) c_->release();
   }
-  [[nodiscard]] bool coalesces_in_place() const override {
-    return requires(std::span<tensor_ref const> t) { c_->all_reduce_coalesced(t, reduce_op::sum); };
-  }
+  // The engine has all three *_coalesced collectives.
+  static constexpr bool lists = requires(C& c, std::span<tensor_ref const> t, tensor_ref o) {
+    c.all_reduce_coalesced(t, reduce_op::sum);
+    c.reduce_scatter_coalesced(o, t, reduce_op::sum);
+    c.all_gather_coalesced(t);
+  };
+  [[nodiscard]] bool coalesces_in_place() const override { return lists; }
   work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) override {
-    if constexpr (requires { c_->all_reduce_coalesced(tensors, op); }) {
-      return c_->all_reduce_coalesced(tensors, op);
-    } else {
-      throw invalid_argument("dparallel: process_group::all_reduce_coalesced: this group's engine reduces one buffer "
-                             "at a time (coalesces_in_place() is false); all_reduce a buffer holding the tensors");
-    }
+    if constexpr (lists) return c_->all_reduce_coalesced(tensors, op);
+    else refuse_lists("all_reduce_coalesced", "all_reduce");
+  }
+  work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op) override {
+    if constexpr (lists) return c_->reduce_scatter_coalesced(out, in, op);
+    else refuse_lists("reduce_scatter_coalesced", "reduce_scatter");
+  }
+  work all_gather_coalesced(std::span<tensor_ref const> tensors) override {
+    if constexpr (lists) return c_->all_gather_coalesced(tensors);
+    else refuse_lists("all_gather_coalesced", "all_gather");
   }
   process_group subgroup(subgroup_plan const& plan) override;
 
  private:
+  [[noreturn]] static void refuse_lists(char const* what, char const* plain) {
+    throw invalid_argument(std::string("dparallel: process_group::") + what +
+                           ": this group's engine moves one buffer at a time (coalesces_in_place() is false); " + plain +
+                           " a buffer holding the tensors");
+  }
+
   std::shared_ptr<C> c_;
   std::chrono::milliseconds timeout_ = std::chrono::seconds(300);
 };
@@ -248,21 +264,35 @@ class process_group {
   /// Ends a hold().
   void release() const { get().release(); }
 
-  /// Whether all_reduce_coalesced is available: the engine reduces a list of tensors as one array
-  /// without a buffer of its own (the host engine of thread ranks reads them in place; the
-  /// shared-memory engine copies them into its segment and the sums out).
+  /// Whether the *_coalesced collectives below are available: the engine reads and writes a list
+  /// of tensors as one array without a buffer of its own (the host engine of thread ranks reads
+  /// them in place; the shared-memory engine copies them into its segment and the results out).
   [[nodiscard]] bool coalesces_in_place() const { return get().coalesces_in_place(); }
   /// all_reduce of `tensors` read as one array (their elements one after the other), in place: the
   /// same results, bit for bit, as an all_reduce of a buffer holding them. Every rank's array has
   /// the same number of elements of one dtype, cut into tensors as each rank likes: it matches a
   /// peer's all_reduce_coalesced or plain all_reduce of as many elements (a difference in count,
   /// dtype or op fails the group, as a mismatched collective does). The list is read while the
-  /// collective runs: keep it alive and unchanged until the work completes. DDP uses it for its
-  /// buckets where the engine has it (no copies into bucket storage and back); engines without it
-  /// throw invalid_argument.
+  /// collective runs: keep it alive and unchanged until the work completes (so for the two
+  /// below). DDP uses it for its buckets where the engine has it (no copies into bucket storage
+  /// and back); engines without it throw invalid_argument (so do the two below).
   work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) const {
     return get().all_reduce_coalesced(tensors, op);
   }
+  /// reduce_scatter from `in` read as one array of size() blocks of out.size() elements: `out`
+  /// gets block rank() of the reduction, bit for bit what reduce_scatter of a buffer holding the
+  /// tensors gives. `out` must lie apart from the tensors. It matches a peer's
+  /// reduce_scatter_coalesced or plain reduce_scatter of as many elements. ZeRO-1 reduces its
+  /// buckets this way (the gradients, and a few zeros of padding, without bucket storage).
+  work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in,
+                                reduce_op op = reduce_op::sum) const {
+    return get().reduce_scatter_coalesced(out, in, op);
+  }
+  /// all_gather in place over `tensors` read as one array of size() equal blocks: this rank's
+  /// block rank() is its input, and every rank's array ends holding every block. It matches a
+  /// peer's all_gather_coalesced or plain all_gather of as many elements. ZeRO-1 gathers the
+  /// updated parameters this way (straight into the parameters).
+  work all_gather_coalesced(std::span<tensor_ref const> tensors) const { return get().all_gather_coalesced(tensors); }
 
  private:
   [[nodiscard]] detail::communicator_interface& get() const {

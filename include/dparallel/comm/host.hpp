@@ -88,26 +88,23 @@ class communicator {
 
   /// See process_group::all_reduce_coalesced: in place over the tensors, read as one array (the
   /// same stripes, sums and bits as all_reduce of that array). `tensors` is read while the
-  /// collective runs: keep it alive and unchanged until the work completes.
+  /// collective runs: keep it alive and unchanged until the work completes (so for the two below).
   work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce,
-                                   tensors.empty() ? dtype::f32 : tensors[0].dtype(),
-                                   0,
-                                   0,
-                                   op,
-                                   0,
-                                   tensors.size()};
-    if (tensors.empty()) reject(c, "expected at least one tensor, found an empty list");
-    for (std::size_t k = 0; k < tensors.size(); ++k) {
-      if (tensors[k].dtype() != c.type)
-        reject(c, "expected every tensor of " + std::string(name_of(c.type)) + " (tensor 0's), found tensor " +
-                      std::to_string(k) + " of " + std::string(name_of(tensors[k].dtype())));
-      check_tensor(c, tensors[k], "tensors[k]");
-      c.count += tensors[k].size();
-    }
-    c.total = c.count;
+    auto const c = listed(dparallel::detail::comm_kind::all_reduce, tensors, {}, op);
     check_reducible(c);
     return issue(c, {}, {}, tensors);
+  }
+  /// See process_group::reduce_scatter_coalesced: block rank() of every rank's array summed into
+  /// `out`, read from the tensors in place (the sums and bits of reduce_scatter).
+  work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op = reduce_op::sum) {
+    auto const c = listed(dparallel::detail::comm_kind::reduce_scatter, in, out, op);
+    check_reducible(c);
+    return issue(c, out, {}, in);
+  }
+  /// See process_group::all_gather_coalesced: this rank's block of its array copied into every
+  /// other rank's array in place.
+  work all_gather_coalesced(std::span<tensor_ref const> tensors) {
+    return issue(listed(dparallel::detail::comm_kind::all_gather, tensors, {}, reduce_op::sum), {}, {}, tensors);
   }
 
   /// See communicator: in place onto `root`, summed in rank order.
@@ -232,6 +229,13 @@ class communicator {
                             ": " + what;
     group_->abort(rank_, "invalid arguments to " + msg);
     throw invalid_argument("dparallel: " + msg);
+  }
+
+  dparallel::detail::comm_call listed(dparallel::detail::comm_kind k, std::span<tensor_ref const> tensors,
+                                      tensor_ref out, reduce_op op) {
+    return dparallel::detail::coalesced_call(
+        k, tensors, out, op, size(), [&](auto const& call, tensor_ref t, char const* name) { check_tensor(call, t, name); },
+        [&](auto const& call, std::string const& problem) { reject(call, problem); });
   }
 
   void check_tensor(dparallel::detail::comm_call const& c, tensor_ref t, char const* name) {

@@ -96,20 +96,20 @@ class communicator {
   }
   /// See process_group::all_reduce_coalesced: the tensors, read as one array, copied into the
   /// segment and the sums out of it with no buffer of their own (the same bits as all_reduce of
-  /// that array). `tensors` is read while the collective runs: keep it alive and unchanged.
+  /// that array). `tensors` is read while the collective runs: keep it alive and unchanged (so
+  /// for the two below).
   work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{kind::all_reduce, tensors.empty() ? dtype::f32 : tensors[0].dtype(), 0, 0, op, 0,
-                                   tensors.size()};
-    for (std::size_t k = 0; k < tensors.size(); ++k) {
-      if (tensors[k].dtype() != c.type)
-        reject(c, "expected every tensor of " + std::string(name_of(c.type)) + " (tensor 0's), found tensor " +
-                      std::to_string(k) + " of " + std::string(name_of(tensors[k].dtype())));
-      (void)checked(c, tensors[k], "tensors[k]");
-      c.count += tensors[k].size();
-    }
-    if (tensors.empty()) reject(c, "expected at least one tensor, found an empty list");
-    c.total = c.count;
-    return issue(c, {}, {}, tensors);
+    return issue(listed(kind::all_reduce, tensors, {}, op), {}, {}, tensors);
+  }
+  /// See process_group::reduce_scatter_coalesced: the array copied into the segment from the
+  /// tensors, this rank's block of the sums into `out` (the bits of reduce_scatter).
+  work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op = reduce_op::sum) {
+    return issue(listed(kind::reduce_scatter, in, out, op), out, {}, in);
+  }
+  /// See process_group::all_gather_coalesced: this rank's block copied into the segment from its
+  /// tensors, the other ranks' blocks out of it into theirs.
+  work all_gather_coalesced(std::span<tensor_ref const> tensors) {
+    return issue(listed(kind::all_gather, tensors, {}, reduce_op::sum), {}, {}, tensors);
   }
 
   /// See dparallel::communicator: in place onto `root`, summed in rank order.
@@ -184,22 +184,39 @@ class communicator {
 
   // Invalid arguments abort the group (the peers would otherwise wait until the timeout), then
   // throw invalid_argument on the caller.
+  dparallel::detail::comm_call listed(kind k, std::span<tensor_ref const> tensors, tensor_ref out, reduce_op op) {
+    auto const c = dparallel::detail::coalesced_call(
+        k, tensors, out, op, size(),
+        [&](auto const& call, tensor_ref t, char const* name) {
+          if (auto const problem = tensor_problem(t, name); !problem.empty()) reject(call, problem);
+        },
+        [&](auto const& call, std::string const& problem) { reject(call, problem); });
+    if (auto const problem = call_problem(c); !problem.empty()) reject(c, problem);
+    return c;
+  }
+
   dparallel::detail::comm_call checked(dparallel::detail::comm_call const& c, tensor_ref x, char const* xn,
                                        tensor_ref y = {}, char const* yn = nullptr) {
     std::string problem = tensor_problem(x, xn);
     if (problem.empty() && yn != nullptr) problem = tensor_problem(y, yn);
-    if (problem.empty() && c.reduces() && !dparallel::detail::shm_reducible(c.type))
-      problem = "the shared-memory communicator reduces F32, F64, F16, BF16, I32, I64 and U8, found " +
-                std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype";
-    if (problem.empty() && c.reduces() && c.op == reduce_op::avg && !dparallel::detail::host_reducible(c.type))
-      problem = "avg needs a floating-point dtype (F32, F64, F16, BF16), found " + std::string(name_of(c.type)) + "; use sum";
-    if (problem.empty() && c.rooted()) problem = dparallel::detail::root_problem(c.root, size());
+    if (problem.empty()) problem = call_problem(c);
     if (problem.empty() && c.kind == kind::reduce_scatter)  // out is the small one
       problem = dparallel::detail::blocks_problem(x, y, xn, yn, size(), rank());
     if (problem.empty() && c.kind == kind::all_gather)  // in is the small one
       problem = dparallel::detail::blocks_problem(y, x, yn, xn, size(), rank());
     if (problem.empty()) return c;
     reject(c, problem);
+  }
+
+  // What the engine refuses in a call, whatever its tensors: its dtype, op or root.
+  [[nodiscard]] std::string call_problem(dparallel::detail::comm_call const& c) const {
+    if (c.reduces() && !dparallel::detail::shm_reducible(c.type))
+      return "the shared-memory communicator reduces F32, F64, F16, BF16, I32, I64 and U8, found " +
+             std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype";
+    if (c.reduces() && c.op == reduce_op::avg && !dparallel::detail::host_reducible(c.type))
+      return "avg needs a floating-point dtype (F32, F64, F16, BF16), found " + std::string(name_of(c.type)) + "; use sum";
+    if (c.rooted()) return dparallel::detail::root_problem(c.root, size());
+    return {};
   }
 
   // Invalid arguments abort the group, then throw invalid_argument on the caller.

@@ -44,6 +44,8 @@ namespace policy {
 /// - Without gradient_as_bucket_view, on an engine with process_group::all_reduce_coalesced
 ///   (thread ranks, shared memory), a bucket whose gradients were all marked after the step
 ///   function returned is reduced as the list of its gradients instead: no copies, the same bits.
+///   A sharded reduction does the same (`launch_list`, with `pad_list` adding its padding) in
+///   steps where the step function marked nothing and nothing was accumulated.
 /// - register_comm_hook (the all-reduce form only) replaces each bucket's average by a hook's
 ///   reduction (policy/comm_hook.hpp); without one, the buckets are averaged by the group.
 ///
@@ -126,6 +128,8 @@ class bucketed_reduce {
     coalesce_ = false;
     flushing_ = false;
     if constexpr (!ToRoot && !sharded) coalesce_ = !view_ && s.sync && !hook_.active() && s.group.coalesces_in_place();
+    if constexpr (sharded)  // reduce-scattered as the list of the gradients and the bucket's padding
+      coalesce_ = s.sync && static_cast<Sharded const&>(*this).scattering() && s.group.coalesces_in_place();
     staged_.assign(buckets_.size(), 0);
     if (coalesce_) {
       lists_.resize(buckets_.size());
@@ -133,6 +137,7 @@ class bucketed_reduce {
         lists_[b].clear();
         for (std::size_t i : buckets_[b].params)
           if (s.grads[0][i].size() != 0) lists_[b].push_back(s.grads[0][i]);
+        if constexpr (sharded) static_cast<Sharded&>(*this).pad_list(b, lists_[b]);
       }
     }
   }
@@ -367,6 +372,7 @@ class bucketed_reduce {
       if (first_accumulation_) ops::zero(acc);
       if (!unused) ops::add_scaled(acc, grad, n);
     } else if (view_ || (coalesce_ && flushing_ && staged_[b] == 0)) {  // the gradient is its own slot: in place
+      if constexpr (sharded) static_cast<Sharded&>(*this).before_stage(b, unused);
       if (accumulated_ == 0) {
         if (unused) ops::zero(grad);
       } else {  // the same operations, in the same order, as below: the same bits
@@ -415,8 +421,11 @@ class bucketed_reduce {
   void launch_ready(Set& s) {
     while (next_bucket_ < buckets_.size() && pending_[next_bucket_] == 0) {
       tensor_ref const whole = bucket_ref(s, next_bucket_);
-      if constexpr (sharded) works_[next_bucket_] = static_cast<Sharded&>(*this).launch_bucket(s, next_bucket_, whole);
-      else if (coalesce_ && staged_[next_bucket_] == 0)
+      bool const listed = coalesce_ && staged_[next_bucket_] == 0;
+      if constexpr (sharded)
+        works_[next_bucket_] = listed ? static_cast<Sharded&>(*this).launch_list(s, next_bucket_, lists_[next_bucket_])
+                                      : static_cast<Sharded&>(*this).launch_bucket(s, next_bucket_, whole);
+      else if (listed)
         works_[next_bucket_] = lists_[next_bucket_].empty()
                                    ? work{}
                                    : s.group.all_reduce_coalesced(lists_[next_bucket_], reduce_op::avg);
@@ -450,6 +459,11 @@ class bucketed_reduce {
   template <class Set>
   void flush(Set& s, std::size_t n) {
     flushing_ = true;  // the step function has returned: gradients may be reduced in place
+    // A sharded reduction leaves the model's gradients as the step function computed them: it
+    // reads them in place only where it has nothing to write into them (no accumulated steps, no
+    // weight, no unused parameter to zero).
+    if constexpr (sharded)
+      if (used_hook_ || accumulated_ != 0 || s.join.scale != 1.0 || s.batch == 0) coalesce_ = false;
     if (used_hook_) {
       auto& unused = unused_;
       unused.clear();

@@ -40,7 +40,10 @@ namespace policy {
 /// - Every later synchronised step reduce-scatters each full bucket into this rank's gradient
 ///   shard (reduce_op::avg, the same rank-order sum and scale as DDP's all-reduce on the host and
 ///   MPI engines: the same bits), while backward goes on; the model's gradients are then left as
-///   this rank's step function computed them (not averaged).
+///   this rank's step function computed them (not averaged). On an engine with
+///   process_group::reduce_scatter_coalesced (thread ranks, shared memory), a step whose function
+///   marked no gradient ready and that accumulated nothing reduce-scatters each bucket from the
+///   list of its gradients and a few zeros of padding: no copy into bucket storage.
 /// - The bucket storage is free between steps: zero_redundancy_optimizer all-gathers the
 ///   updated parameters through it. Where those all-gathers run on into the next step
 ///   (zero_options::overlap_gather), the optimizer sets a stage guard: it is called before a
@@ -133,10 +136,13 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
     device_ = s.devices[0];
     shard_elements_.clear();
     shards_.clear();
+    pads_.clear();
     for (auto const& b : this->buckets_) {
       std::size_t const m = padded_elements(b.elements, world_) / static_cast<std::size_t>(world_);
       shard_elements_.push_back(m);
       shards_.push_back(backend::allocate(device_, m * size_of(b.dtype)));
+      std::size_t const pad = padded_elements(b.elements, world_) - b.elements;
+      pads_.push_back(pad == 0 ? nullptr : backend::allocate(device_, pad * size_of(b.dtype)));  // zeroed; never written
     }
     ++plans_;
   }
@@ -148,6 +154,20 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
     if (!scatter_now_) return s.group.all_reduce(whole, reduce_op::avg);
     if (whole.size() == 0) return work{};  // every rank has the same plan: none issues it
     return s.group.reduce_scatter(grad_shard(b), bucket_storage(b), reduce_op::avg);
+  }
+
+  // A bucket whose gradients are read in place (on an engine with the *_coalesced collectives):
+  // the list of its gradients, then its padding, reduce-scattered without bucket storage.
+  template <class Set>
+  work launch_list(Set& s, std::size_t b, std::vector<tensor_ref> const& list) {
+    if (list.empty()) return work{};  // every rank has the same plan: none issues it
+    return s.group.reduce_scatter_coalesced(grad_shard(b), list, reduce_op::avg);
+  }
+
+  // The zeros that pad bucket b to a multiple of the world size, after its gradients.
+  void pad_list(std::size_t b, std::vector<tensor_ref>& list) const {
+    std::size_t const pad = padded_elements(this->buckets_[b].elements, world_) - this->buckets_[b].elements;
+    if (pad != 0) list.emplace_back(pads_[b].get(), pad, this->buckets_[b].dtype, device_);
   }
 
   [[nodiscard]] bool scattering() const noexcept { return scatter_now_; }
@@ -179,6 +199,7 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
 
   std::vector<std::size_t> shard_elements_;
   std::vector<std::shared_ptr<std::byte>> shards_;  // from Backend::allocate
+  std::vector<std::shared_ptr<std::byte>> pads_;    // per bucket: its padding's zeros (null: none)
   device device_{};
   int rank_ = 0;
   int world_ = 1;

@@ -74,7 +74,9 @@ struct zero_options {
 /// shard of the parameters is updated in place by the rule from the rank's averaged gradient shard
 /// and state shard, copied into the bucket's storage, and an all-gather of the storage is started;
 /// then, bucket by bucket as the all-gathers complete, the elements the other ranks updated are
-/// copied into the parameters. The update of a bucket overlaps the all-gathers of the buckets before it;
+/// copied into the parameters. On an engine with process_group::all_gather_coalesced (thread
+/// ranks, shared memory) and without overlap_gather, the bucket's parameters (and a few elements of
+/// padding) are gathered in place as a list instead: no copies into the storage and back. The update of a bucket overlaps the all-gathers of the buckets before it;
 /// step() returns when every parameter is updated, or, with zero_options::overlap_gather, once
 /// every gather is started (buckets in reverse, so that the first layers' parameters, which the
 /// forward reads first, are gathered first): the gathers then overlap the next forward.
@@ -195,6 +197,7 @@ class zero_redundancy_optimizer {
     for (auto&& t : parameters(w_->module())) params_.emplace_back(t);
     std::size_t const nb = r.buckets().size();
     works_.assign(nb, work{});
+    if (in_place_) list_parameters(r);
     try {
       if (opts_.overlap_gather) {
         for (std::size_t b = nb; b-- > 0;) {
@@ -205,10 +208,14 @@ class zero_redundancy_optimizer {
         kernels::finish(w_->devices()[0]);  // the updates, before another stream's gather reads them
         return;
       }
+      // The gathers are only waited for below: held, they run on this thread in drain() (thread
+      // ranks, shared memory), with no hand-off to the communication thread and no wake-up.
+      w_->group().hold();
       for (std::size_t b = 0; b < nb; ++b) update_bucket(r, b, c);
+      w_->group().drain();
       for (std::size_t b = 0; b < nb; ++b) {
         works_[b].wait();
-        copy_back(r, b);
+        if (!in_place_) copy_back(r, b);
       }
       kernels::finish(w_->devices()[0]);
     } catch (...) {
@@ -282,6 +289,25 @@ class zero_redundancy_optimizer {
       for (std::size_t i : r.buckets()[b].params) bucket_of_[i] = b;
     if (opts_.overlap_gather) r.set_stage_guard([this](std::size_t b, bool unused) { staging(b, unused); });
     plan_ = r.plan_generation();
+    // Gathered in place (into the parameters) where the engine can, unless the gathers run on into
+    // the next forward, which may read the parameters of the buckets it waited for meanwhile.
+    in_place_ = !opts_.overlap_gather && w_->group().coalesces_in_place();
+    gather_pads_.assign(bucket_count_, nullptr);
+    gather_lists_.resize(bucket_count_);
+    if (in_place_) {
+      auto const ps = parameter_refs(w_->module());
+      for (std::size_t b = 0; b < bucket_count_; ++b) {
+        auto const& spec = r.buckets()[b];
+        std::size_t at = 0;  // copying buckets lay their gradients out one after the other, as the list
+        for (std::size_t k = 0; k < spec.params.size(); ++k) {
+          detail::require(spec.offsets[k] == at, "zero_redundancy_optimizer: expected bucket gradients laid out in "
+                                                 "slot order");
+          at += ps[spec.params[k]].size();
+        }
+        std::size_t const pad = r.bucket_storage(b).size() - spec.elements;
+        if (pad != 0) gather_pads_[b] = backend_type::allocate(w_->devices()[0], pad * size_of(spec.dtype));
+      }
+    }
     state_elements_ = 0;
     slots_.clear();
     active_ = optim::active_slots(rule_);  // slots from active_ on are never read: no storage
@@ -342,9 +368,25 @@ class zero_redundancy_optimizer {
       tensor_ref const piece = p.subview(a - first, n);
       if (master) kernels::apply_master(rule_, c, piece, grad.subview(at, n), master_data(b) + at, slots);
       else kernels::apply(rule_, c, piece, grad.subview(at, n), slots);
-      kernels::copy(storage.subview(a, n), piece);
+      if (!in_place_) kernels::copy(storage.subview(a, n), piece);
     }
-    works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));  // after the update: see step()
+    // After the update: see step().
+    if (in_place_) works_[b] = w_->group().all_gather_coalesced(gather_lists_[b]);
+    else works_[b] = w_->group().all_gather(storage, storage.subview(lo, m));
+  }
+
+  // in_place_: each bucket's parameters, then its padding, as the list its all-gather fills in
+  // place (the same array as the bucket's storage). Refilled every step (no allocation after the
+  // first), since the model may hand out other views of the same parameters.
+  void list_parameters(reducer_type const& r) {
+    for (std::size_t b = 0; b < bucket_count_; ++b) {
+      auto& list = gather_lists_[b];
+      list.clear();
+      for (std::size_t i : r.buckets()[b].params)
+        if (params_[i].size() != 0) list.push_back(params_[i]);
+      std::size_t const pad = r.bucket_storage(b).size() - r.buckets()[b].elements;
+      if (pad != 0) list.emplace_back(gather_pads_[b].get(), pad, r.buckets()[b].dtype, w_->devices()[0]);
+    }
   }
 
   // Bucket b's gather, if still pending: waited for, its parameters written.
@@ -417,6 +459,9 @@ class zero_redundancy_optimizer {
   bool allocated_ = false;
   std::vector<std::shared_ptr<std::byte>> slots_;  // slot k of bucket b at k * bucket_count_ + b (Backend::allocate)
   std::vector<std::shared_ptr<std::byte>> masters_;  // bucket b's F32 master shard; null for F32 buckets
+  bool in_place_ = false;  // the all-gathers write into the parameters (*_coalesced engines, no overlap_gather)
+  std::vector<std::vector<tensor_ref>> gather_lists_;  // in_place_: per bucket, its parameters and padding
+  std::vector<std::shared_ptr<std::byte>> gather_pads_;  // in_place_: per bucket, room for its padding (or null)
   std::vector<tensor_ref> params_;
   std::vector<tensor_ref> shards_;  // gradient_shards()
   std::vector<work> works_;

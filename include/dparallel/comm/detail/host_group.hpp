@@ -30,6 +30,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/call_checks.hpp>
 #include <dparallel/comm/detail/coalesced.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
@@ -84,7 +85,7 @@ struct comm_call {
   std::size_t total = 0;  // reduce_scatter's in, all_gather's out (shown only)
   reduce_op op = reduce_op::sum;
   int root = 0;
-  std::size_t parts = 0;  // all_reduce_coalesced: the number of tensors (0: one buffer)
+  std::size_t parts = 0;  // a *_coalesced call: the number of tensors in its list (0: one buffer)
 
   [[nodiscard]] constexpr bool reduces() const noexcept {
     return kind == comm_kind::all_reduce || kind == comm_kind::reduce || kind == comm_kind::reduce_scatter;
@@ -96,7 +97,7 @@ struct comm_call {
   [[nodiscard]] friend constexpr bool matches(comm_call const& a, comm_call const& b) noexcept {
     if (a.kind != b.kind) return false;
     if (a.kind == comm_kind::barrier) return true;
-    // all_reduce and all_reduce_coalesced of as many elements match (any cut into tensors).
+    // A collective and its *_coalesced form over as many elements match (any cut into tensors).
     return a.type == b.type && a.count == b.count && (!a.reduces() || a.op == b.op) &&
            (!a.rooted() || a.root == b.root);
   }
@@ -111,7 +112,7 @@ struct comm_task {
   tensor_ref b;
   std::chrono::milliseconds timeout{};
   work_promise done;
-  std::span<tensor_ref const> list{};  // all_reduce_coalesced's tensors (the caller keeps them)
+  std::span<tensor_ref const> list{};  // a *_coalesced call's tensors (the caller keeps them)
 };
 
 /// "all_reduce(1000 x F32, sum)", "broadcast(7 x I32, root 0)", "all_gather(out 21 x F32, in 7 x F32)".
@@ -128,11 +129,63 @@ inline std::string describe(comm_call const& c) {
       return s + "(" + elems(c.count) + ", " + std::string(name_of(c.op)) + ", root " + std::to_string(c.root) + ")";
     case comm_kind::broadcast: return s + "(" + elems(c.count) + ", root " + std::to_string(c.root) + ")";
     case comm_kind::reduce_scatter:
+      if (c.parts != 0)
+        return s + "_coalesced(out " + elems(c.count) + ", in " + elems(c.total) + " in " + std::to_string(c.parts) +
+               " tensors, " + std::string(name_of(c.op)) + ")";
       return s + "(out " + elems(c.count) + ", in " + elems(c.total) + ", " + std::string(name_of(c.op)) + ")";
-    case comm_kind::all_gather: return s + "(out " + elems(c.total) + ", in " + elems(c.count) + ")";
+    case comm_kind::all_gather:
+      if (c.parts != 0)
+        return s + "_coalesced(" + elems(c.total) + " in " + std::to_string(c.parts) + " tensors, blocks of " +
+               std::to_string(c.count) + ")";
+      return s + "(out " + elems(c.total) + ", in " + elems(c.count) + ")";
     case comm_kind::barrier: return s + "()";
   }
   return s;
+}
+
+/// The call of a collective over a list of tensors read as one array, on an engine whose
+/// `check(c, t, name)` refuses a tensor it cannot move and whose `reject(c, problem)` throws:
+/// all_reduce_coalesced (`kind` all_reduce), reduce_scatter_coalesced (reduce_scatter into `out`,
+/// the array holding `ranks` blocks of out.size() elements, `out` apart from every tensor of it)
+/// or all_gather_coalesced (all_gather, in place: the array holds `ranks` blocks). Every tensor
+/// is of tensor 0's dtype, and there is at least one.
+template <class Check, class Reject>
+comm_call coalesced_call(comm_kind kind, std::span<tensor_ref const> tensors, tensor_ref out, reduce_op op, int ranks,
+                         Check&& check, Reject&& reject) {
+  comm_call c{kind, tensors.empty() ? dtype::f32 : tensors[0].dtype(), 0, 0, op, 0, tensors.size()};
+  if (tensors.empty()) reject(c, "expected at least one tensor, found an empty list");
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
+    if (tensors[k].dtype() != c.type)
+      reject(c, "expected every tensor of " + std::string(name_of(c.type)) + " (tensor 0's), found tensor " +
+                    std::to_string(k) + " of " + std::string(name_of(tensors[k].dtype())));
+    check(c, tensors[k], "tensors[k]");
+    c.total += tensors[k].size();
+  }
+  auto const n = static_cast<std::size_t>(ranks);
+  switch (kind) {
+    case comm_kind::reduce_scatter:
+      check(c, out, "out");
+      c.count = out.size();
+      if (out.dtype() != c.type)
+        reject(c, "expected `out` of the tensors' dtype " + std::string(name_of(c.type)) + ", found " +
+                      std::string(name_of(out.dtype())));
+      if (c.total != n * c.count)
+        reject(c, "expected the tensors to hold size() * out.size() = " + std::to_string(n) + " * " +
+                      std::to_string(c.count) + " = " + std::to_string(n * c.count) + " elements, found " +
+                      std::to_string(c.total));
+      for (std::size_t k = 0; k < tensors.size(); ++k)
+        if (out.size() != 0 && !disjoint(out, tensors[k]))
+          reject(c, "expected `out` apart from the tensors it reduces, found it overlapping tensor " + std::to_string(k));
+      break;
+    case comm_kind::all_gather:
+      c.count = c.total / n;
+      if (c.total % n != 0)
+        reject(c, "expected the tensors to hold size() = " + std::to_string(n) + " blocks of as many elements, found " +
+                      std::to_string(c.total) + " elements");
+      break;
+    default: c.count = c.total; break;
+  }
+  return c;
 }
 
 /// "rank 2", "ranks 2 and 4", "ranks 1, 2 and 4".
@@ -172,7 +225,8 @@ class host_group {
   static constexpr std::size_t small_collective_bytes = std::size_t{64} << 10;
 
   /// Runs rank r's collective number `seq` (steps 1-4 above); returns its failure or null.
-  /// `list`: all_reduce_coalesced's tensors (call.parts of them), read in place as `a` otherwise.
+  /// `list`: a *_coalesced call's tensors (call.parts of them), read in place of `a`
+  /// (all_reduce, all_gather) or `b` (reduce_scatter).
   std::exception_ptr execute(int r, std::uint64_t seq, comm_call const& call, tensor_ref a, tensor_ref b,
                              std::chrono::milliseconds timeout, std::span<tensor_ref const> list = {}) {
     auto const ur = static_cast<std::size_t>(r);
@@ -413,7 +467,7 @@ class host_group {
     auto const nn = static_cast<std::size_t>(n_);
     switch (call.kind) {
       case comm_kind::all_reduce:
-        if (std::any_of(calls_.begin(), calls_.end(), [](comm_call const& c) { return c.parts != 0; })) {
+        if (any_listed()) {
           compute_coalesced(r, call, srcs, dsts);
           return;
         }
@@ -443,6 +497,10 @@ class host_group {
       }
       case comm_kind::reduce_scatter: {
         if (call.count == 0) return;
+        if (any_listed()) {
+          compute_coalesced_scatter(r, call, srcs, dsts);
+          return;
+        }
         for (int j = 0; j < n_; ++j) srcs[j] = at(j, 1, static_cast<std::size_t>(r) * call.count);
         dsts[0] = at(r, 0, 0);
         reduce_bytes(call.type, std::span<void const* const>(srcs, nn), std::span<void* const>(dsts, 1), call.count,
@@ -451,6 +509,10 @@ class host_group {
       }
       case comm_kind::all_gather: {
         if (call.count == 0) return;
+        if (any_listed()) {
+          compute_coalesced_gather(r, call);
+          return;
+        }
         char const* src = at(r, 1, 0);
         for (int j = 0; j < n_; ++j) {
           char* dst = at(j, 0, static_cast<std::size_t>(r) * call.count);
@@ -462,29 +524,46 @@ class host_group {
     }
   }
 
+  // Whether some rank passed a list of tensors (a *_coalesced call).
+  [[nodiscard]] bool any_listed() const noexcept {
+    return std::any_of(calls_.begin(), calls_.end(), [](comm_call const& c) { return c.parts != 0; });
+  }
+
+  // Rank j's array as a cursor: its list, or its buffer `which` (0: a, 1: b).
+  [[nodiscard]] coalesced_cursor array_of(std::size_t j, int which, std::size_t esz) const noexcept {
+    if (calls_[j].parts != 0) return coalesced_cursor(lists_[j], esz);
+    return coalesced_cursor(std::span<tensor_ref const>(&bufs_[j][static_cast<std::size_t>(which)], 1), esz);
+  }
+
+  // One cursor per rank over its array `which`, without allocating for groups of up to 16 ranks.
+  struct rank_cursors {
+    std::array<coalesced_cursor, 16> inline_{};
+    std::vector<coalesced_cursor> heap_;
+    coalesced_cursor* at = nullptr;
+  };
+  void cursors_over(rank_cursors& c, int which, std::size_t esz) const {
+    auto const nn = static_cast<std::size_t>(n_);
+    c.at = c.inline_.data();
+    if (nn > c.inline_.size()) {
+      c.heap_.resize(nn);
+      c.at = c.heap_.data();
+    }
+    for (std::size_t j = 0; j < nn; ++j) c.at[j] = array_of(j, which, esz);
+  }
+
   /// compute() for an all_reduce in which some rank passed a list of tensors
   /// (all_reduce_coalesced): rank r's stripes of the array, in pieces that lie within one tensor
   /// on every rank, each summed in rank order as all_reduce sums (the same bits).
   void compute_coalesced(int r, comm_call const& call, void const** srcs, void** dsts) const {
     std::size_t const esz = size_of(call.type);
     auto const nn = static_cast<std::size_t>(n_);
-    constexpr std::size_t inline_ranks = 16;
-    std::array<coalesced_cursor, inline_ranks> cursor_inline;
-    std::vector<coalesced_cursor> cursor_heap;
-    coalesced_cursor* cursors = cursor_inline.data();
-    if (nn > inline_ranks) {
-      cursor_heap.resize(nn);
-      cursors = cursor_heap.data();
-    }
-    for (std::size_t j = 0; j < nn; ++j) {
-      bool const listed = calls_[j].parts != 0;
-      cursors[j] = coalesced_cursor(listed ? lists_[j] : std::span<tensor_ref const>(&bufs_[j][0], 1), esz);
-    }
+    rank_cursors cursors;
+    cursors_over(cursors, 0, esz);
     for_each_stripe(call.count, n_, r, esz, [&](std::size_t lo, std::size_t hi) {
       while (lo < hi) {
         std::size_t len = hi - lo;
         for (std::size_t j = 0; j < nn; ++j) {
-          auto const [at, run] = cursors[j].locate(lo);
+          auto const [at, run] = cursors.at[j].locate(lo);
           dsts[j] = at;
           srcs[j] = at;
           len = std::min(len, run);
@@ -494,6 +573,51 @@ class host_group {
         lo += len;
       }
     });
+  }
+
+  /// compute() for a reduce_scatter in which some rank passed a list (reduce_scatter_coalesced):
+  /// block r of every rank's input array summed into rank r's `out`, in pieces that lie within
+  /// one tensor on every rank, in rank order as reduce_scatter sums (the same bits).
+  void compute_coalesced_scatter(int r, comm_call const& call, void const** srcs, void** dsts) const {
+    std::size_t const esz = size_of(call.type);
+    auto const nn = static_cast<std::size_t>(n_);
+    rank_cursors cursors;
+    cursors_over(cursors, 1, esz);
+    std::size_t const base = static_cast<std::size_t>(r) * call.count;
+    auto* const out = static_cast<char*>(bufs_[static_cast<std::size_t>(r)][0].data());
+    for (std::size_t lo = 0; lo < call.count;) {
+      std::size_t len = call.count - lo;
+      for (std::size_t j = 0; j < nn; ++j) {
+        auto const [at, run] = cursors.at[j].locate(base + lo);
+        srcs[j] = at;
+        len = std::min(len, run);
+      }
+      dsts[0] = out + lo * esz;
+      reduce_bytes(call.type, std::span<void const* const>(srcs, nn), std::span<void* const>(dsts, 1), len, call.op,
+                   n_);
+      lo += len;
+    }
+  }
+
+  /// compute() for an all_gather in which some rank passed a list (all_gather_coalesced, in
+  /// place): rank r's block (of its list, or its `in`) copied into block r of every other rank's
+  /// array (its list, or its `out`).
+  void compute_coalesced_gather(int r, comm_call const& call) const {
+    std::size_t const esz = size_of(call.type);
+    auto const ur = static_cast<std::size_t>(r);
+    std::size_t const base = ur * call.count;
+    std::size_t const from = calls_[ur].parts != 0 ? base : 0;  // a plain `in` is the block alone
+    for (std::size_t j = 0; j < static_cast<std::size_t>(n_); ++j) {
+      coalesced_cursor src = array_of(ur, 1, esz);
+      coalesced_cursor dst = array_of(j, 0, esz);
+      for (std::size_t lo = 0; lo < call.count;) {
+        auto const [s, srun] = src.locate(from + lo);
+        auto const [d, drun] = dst.locate(base + lo);
+        std::size_t const len = std::min({srun, drun, call.count - lo});
+        if (d != s) std::memcpy(d, s, len * esz);
+        lo += len;
+      }
+    }
   }
 
   int n_;
@@ -508,7 +632,7 @@ class host_group {
   std::vector<char> busy_;               // rank is inside step 3
   std::vector<comm_call> calls_;
   std::vector<std::array<tensor_ref, 2>> bufs_;
-  std::vector<std::span<tensor_ref const>> lists_;  // per rank: all_reduce_coalesced's tensors
+  std::vector<std::span<tensor_ref const>> lists_;  // per rank: a *_coalesced call's tensors
   std::optional<comm_failure> failure_;
   std::atomic<std::uint64_t> epoch_{0};  // counts notify() calls (for spinning)
 };

@@ -20,6 +20,8 @@
 //   all_gather: copy the chunk in; meet; copy every rank's chunk out; meet.
 // all_reduce_coalesced reads a list of tensors as one array: the same steps, copying the list in
 // and the sums out run by run (small_list, chunked_list), so it matches a peer's all_reduce.
+// reduce_scatter_coalesced and all_gather_coalesced take the steps of their plain forms, with
+// the copies in (take_in, take_block) and out (give_out) going run by run through the list.
 // The first meeting of every collective also compares the ranks' descriptors of it (check()).
 
 #include <dparallel/config.hpp>
@@ -51,7 +53,8 @@ class shm_runner {
   explicit shm_runner(shm_group& g) : g_(g), srcs_(static_cast<std::size_t>(g.size())) {}
 
   /// Collective `seq` of this rank: its failure, or null.
-  /// `list`: all_reduce_coalesced's tensors (c.parts of them), in place of `a`.
+  /// `list`: a *_coalesced call's tensors (c.parts of them), in place of `a` (all_reduce,
+  /// all_gather) or `b` (reduce_scatter).
   std::exception_ptr run(std::uint64_t seq, comm_call const& c, tensor_ref a, tensor_ref b,
                          std::chrono::milliseconds timeout, std::span<tensor_ref const> list = {}) {
     if (g_.failed()) return g_.error(seq, c);
@@ -65,7 +68,8 @@ class shm_runner {
     esz_ = size_of(c.type);
     list_ = list;
     bool ok = true;
-    if (c.parts != 0) ok = input_bytes() <= g_.segment().layout().small ? small_list() : chunked_list();
+    if (c.parts != 0 && c.kind == comm_kind::all_reduce)
+      ok = input_bytes() <= g_.segment().layout().small ? small_list() : chunked_list();
     else if (c.kind == comm_kind::barrier) ok = meet();
     else if (input_bytes() <= g_.segment().layout().small) ok = small();
     else ok = chunked();
@@ -118,8 +122,8 @@ class shm_runner {
       case comm_kind::broadcast:
         if (r == call_.root) copy(small_slot(r), A_, bytes);
         break;
-      case comm_kind::reduce_scatter: copy(small_slot(r), B_, call_.total * esz_); break;
-      case comm_kind::all_gather: copy(small_slot(r), B_, bytes); break;
+      case comm_kind::reduce_scatter: take_in(0, call_.total, small_slot(r)); break;
+      case comm_kind::all_gather: take_block(0, call_.count, small_slot(r)); break;
       case comm_kind::barrier: break;
     }
     if (!meet()) return false;
@@ -134,7 +138,7 @@ class shm_runner {
         break;
       case comm_kind::reduce_scatter: reduce_from(slot, static_cast<std::size_t>(r) * bytes, {A_}, call_.count); break;
       case comm_kind::all_gather:
-        for (int j = 0; j < g_.size(); ++j) copy(A_ + static_cast<std::size_t>(j) * bytes, small_slot(j), bytes);
+        for (int j = 0; j < g_.size(); ++j) give_out(j, 0, call_.count, small_slot(j));
         break;
       case comm_kind::barrier: break;
     }
@@ -182,21 +186,49 @@ class shm_runner {
           if (!meet()) return false;
           break;
         case comm_kind::reduce_scatter:
-          for (std::size_t j = 0; j < un; ++j) copy(chunk_slot(r) + j * bytes, B_ + (j * count + lo) * esz_, bytes);
+          for (std::size_t j = 0; j < un; ++j) take_in(j * count + lo, len, chunk_slot(r) + j * bytes);
           if (!meet()) return false;
           reduce_from(slot, static_cast<std::size_t>(r) * bytes, {mine}, len);
           if (!meet()) return false;
           break;
         case comm_kind::all_gather:
-          copy(chunk_slot(r), B_ + lo * esz_, bytes);
+          take_block(lo, len, chunk_slot(r));
           if (!meet()) return false;
-          for (std::size_t j = 0; j < un; ++j) copy(A_ + (j * count + lo) * esz_, chunk_slot(static_cast<int>(j)), bytes);
+          for (int j = 0; j < n; ++j) give_out(j, lo, len, chunk_slot(j));
           if (!meet()) return false;
           break;
         case comm_kind::barrier: break;
       }
     }
     return checked_ || meet();  // a collective with no elements still meets (and is checked) once
+  }
+
+  // reduce_scatter: elements [lo, lo + len) of this rank's input array (its list, or `in`) into
+  // `flat`.
+  void take_in(std::size_t lo, std::size_t len, std::byte* flat) {
+    if (list_.empty()) {
+      copy(flat, B_ + lo * esz_, len * esz_);
+      return;
+    }
+    coalesced_cursor at(list_, esz_);
+    move_list(at, lo, len, flat, true);
+  }
+  // all_gather: elements [lo, lo + len) of this rank's block (its `in`, or block rank() of its
+  // list) into `flat`.
+  void take_block(std::size_t lo, std::size_t len, std::byte* flat) {
+    if (list_.empty()) copy(flat, B_ + lo * esz_, len * esz_);
+    else take_in(static_cast<std::size_t>(g_.rank()) * call_.count + lo, len, flat);
+  }
+  // all_gather: `flat` into elements [lo, lo + len) of rank j's block of this rank's output
+  // array (its `out`, or its list, whose own block is in place already).
+  void give_out(int j, std::size_t lo, std::size_t len, std::byte* flat) {
+    std::size_t const at_elem = static_cast<std::size_t>(j) * call_.count + lo;
+    if (list_.empty()) {
+      copy(A_ + at_elem * esz_, flat, len * esz_);
+    } else if (j != g_.rank()) {
+      coalesced_cursor at(list_, esz_);
+      move_list(at, at_elem, len, flat, false);
+    }
   }
 
   // Elements [lo, lo + len) of this rank's list (read as one array) to or from `flat`: `into`
@@ -247,7 +279,7 @@ class shm_runner {
   }
 
   shm_group& g_;
-  std::span<tensor_ref const> list_;  // all_reduce_coalesced's tensors
+  std::span<tensor_ref const> list_;  // a *_coalesced call's tensors
   std::vector<void const*> srcs_;
   std::uint64_t seq_ = 0;
   comm_call call_{};
