@@ -19,7 +19,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/progress.hpp>
-#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/detail/serial_worker.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/dtype.hpp>

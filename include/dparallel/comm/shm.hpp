@@ -36,7 +36,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/call_checks.hpp>
-#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/rendezvous.hpp>
 #include <dparallel/comm/shm_options.hpp>

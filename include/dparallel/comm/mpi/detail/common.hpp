@@ -14,7 +14,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/desync.hpp>
-#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/shm/detail/kernels.hpp>
@@ -121,7 +121,7 @@ inline std::string thread_level_name(int level) {
 
 // --- one collective ---------------------------------------------------------------------------
 
-using mpi_task = comm_task;  // the record every engine queues (comm/detail/host_group.hpp)
+using mpi_task = comm_task;  // the record every engine queues (comm/detail/comm_call.hpp)
 
 /// A collective being executed: MPI requests started one after the other. On failure the whole
 /// object (its request and staging memory) is kept as an orphan until MPI completes the request.

@@ -27,7 +27,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/coalesced.hpp>
-#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/shm/detail/group.hpp>
 #include <dparallel/comm/shm/detail/kernels.hpp>
@@ -157,7 +157,7 @@ class shm_runner {
     for (std::size_t lo = 0; lo < count; lo += step) {
       std::size_t const len = std::min(step, count - lo);
       std::size_t const bytes = len * esz_;
-      std::byte* const mine = A_ + lo * esz_;
+      std::byte* const mine = A_ == nullptr ? nullptr : A_ + lo * esz_;  // none: all_gather into a list
       switch (call_.kind) {
         case comm_kind::all_reduce:
         case comm_kind::reduce: {

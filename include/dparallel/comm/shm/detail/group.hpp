@@ -17,7 +17,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
-#include <dparallel/comm/detail/host_group.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/shm/detail/segment.hpp>
 #include <dparallel/core/error.hpp>
