@@ -75,8 +75,10 @@ struct zero_options {
 /// and state shard, copied into the bucket's storage, and an all-gather of the storage is started;
 /// then, bucket by bucket as the all-gathers complete, the elements the other ranks updated are
 /// copied into the parameters. On an engine with process_group::all_gather_coalesced (thread
-/// ranks, shared memory) and without overlap_gather, the bucket's parameters (and a few elements of
-/// padding) are gathered in place as a list instead: no copies into the storage and back. The update of a bucket overlaps the all-gathers of the buckets before it;
+/// ranks, shared memory) and without overlap_gather, the bucket's parameters (and a few elements
+/// of padding) are gathered in place as a list instead: no copies into the storage and back. The
+/// update of a bucket overlaps the all-gathers of the buckets before it (MPI, NCCL; thread ranks
+/// and shared memory run the held gathers once every bucket is updated, on the calling thread);
 /// step() returns when every parameter is updated, or, with zero_options::overlap_gather, once
 /// every gather is started (buckets in reverse, so that the first layers' parameters, which the
 /// forward reads first, are gathered first): the gathers then overlap the next forward.
