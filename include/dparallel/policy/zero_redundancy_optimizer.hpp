@@ -286,7 +286,8 @@ class zero_redundancy_optimizer {
     bucket_count_ = r.buckets().size();
     pending_.assign(bucket_count_, 0);
     pending_count_ = 0;
-    bucket_of_.assign(parameter_refs(w_->module()).size(), 0);
+    auto const params = parameter_refs(w_->module());
+    bucket_of_.assign(params.size(), 0);
     for (std::size_t b = 0; b < bucket_count_; ++b)
       for (std::size_t i : r.buckets()[b].params) bucket_of_[i] = b;
     if (opts_.overlap_gather) r.set_stage_guard([this](std::size_t b, bool unused) { staging(b, unused); });
@@ -295,16 +296,16 @@ class zero_redundancy_optimizer {
     // the next forward, which may read the parameters of the buckets it waited for meanwhile.
     in_place_ = !opts_.overlap_gather && w_->group().coalesces_in_place();
     gather_pads_.assign(bucket_count_, nullptr);
-    gather_lists_.resize(bucket_count_);
+    gather_lists_.clear();
     if (in_place_) {
-      auto const ps = parameter_refs(w_->module());
+      gather_lists_.resize(bucket_count_);
       for (std::size_t b = 0; b < bucket_count_; ++b) {
         auto const& spec = r.buckets()[b];
         std::size_t at = 0;  // copying buckets lay their gradients out one after the other, as the list
         for (std::size_t k = 0; k < spec.params.size(); ++k) {
           detail::require(spec.offsets[k] == at, "zero_redundancy_optimizer: expected bucket gradients laid out in "
                                                  "slot order");
-          at += ps[spec.params[k]].size();
+          at += params[spec.params[k]].size();
         }
         std::size_t const pad = r.bucket_storage(b).size() - spec.elements;
         if (pad != 0) gather_pads_[b] = backend_type::allocate(w_->devices()[0], pad * size_of(spec.dtype));
@@ -323,7 +324,6 @@ class zero_redundancy_optimizer {
     }
     // The master shards of the 16-bit buckets: this rank's piece of each parameter, widened.
     masters_.assign(bucket_count_, nullptr);
-    auto const params = parameter_refs(w_->module());
     for (std::size_t b = 0; b < bucket_count_; ++b) {
       if (!detail::is_half(r.buckets()[b].dtype) || r.shard_elements(b) == 0) continue;
       std::size_t const m = r.shard_elements(b), lo = r.shard_offset(b), valid = r.shard_valid(b);

@@ -359,31 +359,12 @@ class host_group {
         });
         return;
       }
-      case comm_kind::reduce_scatter: {
-        if (call.count == 0) return;
-        if (any_listed()) {
-          compute_coalesced_scatter(r, call, srcs, dsts);
-          return;
-        }
-        for (int j = 0; j < n_; ++j) srcs[j] = at(j, 1, static_cast<std::size_t>(r) * call.count);
-        dsts[0] = at(r, 0, 0);
-        reduce_bytes(call.type, std::span<void const* const>(srcs, nn), std::span<void* const>(dsts, 1), call.count,
-                     call.op, n_);
+      case comm_kind::reduce_scatter:
+        if (call.count != 0) compute_scatter(r, call, srcs, dsts);
         return;
-      }
-      case comm_kind::all_gather: {
-        if (call.count == 0) return;
-        if (any_listed()) {
-          compute_coalesced_gather(r, call);
-          return;
-        }
-        char const* src = at(r, 1, 0);
-        for (int j = 0; j < n_; ++j) {
-          char* dst = at(j, 0, static_cast<std::size_t>(r) * call.count);
-          if (dst != src) std::memcpy(dst, src, call.count * esz);
-        }
+      case comm_kind::all_gather:
+        if (call.count != 0) compute_gather(r, call);
         return;
-      }
       case comm_kind::barrier: return;
     }
   }
@@ -439,10 +420,10 @@ class host_group {
     });
   }
 
-  /// compute() for a reduce_scatter in which some rank passed a list (reduce_scatter_coalesced):
-  /// block r of every rank's input array summed into rank r's `out`, in pieces that lie within
-  /// one tensor on every rank, in rank order as reduce_scatter sums (the same bits).
-  void compute_coalesced_scatter(int r, comm_call const& call, void const** srcs, void** dsts) const {
+  /// compute() for a reduce_scatter, plain or with some rank's list (reduce_scatter_coalesced; a
+  /// plain `in` is a list of one): block r of every rank's input array summed into rank r's `out`,
+  /// in pieces that lie within one tensor on every rank, in rank order (the same bits either way).
+  void compute_scatter(int r, comm_call const& call, void const** srcs, void** dsts) const {
     std::size_t const esz = size_of(call.type);
     auto const nn = static_cast<std::size_t>(n_);
     rank_cursors cursors;
@@ -463,10 +444,10 @@ class host_group {
     }
   }
 
-  /// compute() for an all_gather in which some rank passed a list (all_gather_coalesced, in
-  /// place): rank r's block (of its list, or its `in`) copied into block r of every other rank's
-  /// array (its list, or its `out`).
-  void compute_coalesced_gather(int r, comm_call const& call) const {
+  /// compute() for an all_gather, plain or with some rank's list (all_gather_coalesced, in place):
+  /// rank r's block (of its list, or its `in`) copied into block r of every rank's array (its
+  /// list, or its `out`), skipping a block already in place.
+  void compute_gather(int r, comm_call const& call) const {
     std::size_t const esz = size_of(call.type);
     auto const ur = static_cast<std::size_t>(r);
     std::size_t const base = ur * call.count;
