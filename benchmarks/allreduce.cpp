@@ -51,6 +51,7 @@ char const* const usage =
 struct process_times {
   double mpi = 0;
   double ours = 0;  // 0: not in the file
+  double group_memory = 0;  // the buffer in the group's memory (process_group::allocate); 0: not in the file
 };
 
 /// (ranks, bytes) -> the times allreduce_mpi measured.
@@ -72,6 +73,7 @@ std::map<std::pair<int, std::size_t>, process_times> read_mpi(std::string const&
     process_times& p = out[{std::stoi(cells[0]), std::stoull(cells[1])}];
     p.mpi = std::stod(cells[2]);
     if (cells.size() >= 8 && !cells[7].empty()) p.ours = std::stod(cells[7]);
+    if (cells.size() >= 12 && !cells[11].empty()) p.group_memory = std::stod(cells[11]);
   }
   return out;
 }
@@ -82,6 +84,7 @@ struct row {
   bench::op_time ours, copy;
   double mpi = 0;   // seconds; 0 = not measured
   double proc = 0;  // dparallel over processes, seconds; 0 = not measured
+  double gm = 0;    // the same, buffers in the group's memory; 0 = not measured
 };
 
 }  // namespace
@@ -136,6 +139,7 @@ int main(int argc, char** argv) {
       if (auto it = mpi.find({n, bytes}); it != mpi.end()) {
         r.mpi = it->second.mpi;
         r.proc = it->second.ours;
+        r.gm = it->second.group_memory;
       }
       rows.push_back(r);
       std::fprintf(stderr, "  %d ranks, %s: %.1f us\n", n, bench::bytes_label(bytes).c_str(), r.ours.best * 1e6);
@@ -144,7 +148,8 @@ int main(int argc, char** argv) {
 
   bench::table t({"ranks", "bytes", "size", "time_us", "median_us", "algbw_GBps", "busbw_GBps", "traffic_GBps",
                   "copy_GBps", "traffic_over_copy", "copy_limit_algbw_GBps", "mpi_time_us", "mpi_algbw_GBps",
-                  "speedup_over_mpi", "proc_time_us", "proc_speedup_over_mpi", "proc_over_threads"});
+                  "speedup_over_mpi", "proc_time_us", "proc_speedup_over_mpi", "proc_over_threads", "gm_time_us",
+                  "gm_speedup_over_mpi", "gm_over_threads"});
   for (auto const& r : rows) {
     double const n = r.ranks, s = static_cast<double>(r.bytes);
     double const algbw = s / r.ours.best / 1e9;
@@ -160,7 +165,10 @@ int main(int argc, char** argv) {
            r.mpi > 0 ? bench::fmt("%.2f", r.mpi / r.ours.best) : "",
            r.proc > 0 ? bench::fmt("%.2f", r.proc * 1e6) : "",
            r.proc > 0 && r.mpi > 0 ? bench::fmt("%.2f", r.mpi / r.proc) : "",
-           r.proc > 0 ? bench::fmt("%.2f", r.proc / r.ours.best) : ""});
+           r.proc > 0 ? bench::fmt("%.2f", r.proc / r.ours.best) : "",
+           r.gm > 0 ? bench::fmt("%.2f", r.gm * 1e6) : "",
+           r.gm > 0 && r.mpi > 0 ? bench::fmt("%.2f", r.mpi / r.gm) : "",
+           r.gm > 0 ? bench::fmt("%.2f", r.gm / r.ours.best) : ""});
   }
   t.print();
   t.write_csv(csv);
@@ -182,20 +190,24 @@ int main(int argc, char** argv) {
       if (r->mpi > 0) std::printf("; %.2f x faster than MPI_Allreduce (target >= 3)", r->mpi / r->ours.best);
       std::printf("\n");
     }
-    // Issue 17: dparallel over n processes against MPI_Allreduce and against the thread ranks.
-    double worst_mpi = 0, worst_threads = 0;
-    bool any = false;
-    for (auto const& r : rows) {
-      if (r.ranks != n || r.proc <= 0 || r.mpi <= 0 || r.bytes < (std::size_t{64} << 10)) continue;
-      double const speedup = r.mpi / r.proc, over = r.proc / r.ours.best;
-      worst_mpi = any ? std::min(worst_mpi, speedup) : speedup;
-      worst_threads = any ? std::max(worst_threads, over) : over;
-      any = true;
+    // Issue 17: dparallel over n processes against MPI_Allreduce and against the thread ranks,
+    // buffers in ordinary memory (proc) and in the group's memory (gm).
+    for (bool gm : {false, true}) {
+      double worst_mpi = 0, worst_threads = 0;
+      bool any = false;
+      for (auto const& r : rows) {
+        double const t = gm ? r.gm : r.proc;
+        if (r.ranks != n || t <= 0 || r.mpi <= 0 || r.bytes < (std::size_t{64} << 10)) continue;
+        double const speedup = r.mpi / t, over = t / r.ours.best;
+        worst_mpi = any ? std::min(worst_mpi, speedup) : speedup;
+        worst_threads = any ? std::max(worst_threads, over) : over;
+        any = true;
+      }
+      if (any)
+        std::printf("%d processes, %s, sizes >= 64 KiB: at worst %.2f x faster than MPI_Allreduce (target >= 3) and "
+                    "%.2f x the thread ranks' time (target <= 1.1)\n",
+                    n, gm ? "buffers in group memory" : "ordinary buffers", worst_mpi, worst_threads);
     }
-    if (any)
-      std::printf("%d processes, sizes >= 64 KiB: at worst %.2f x faster than MPI_Allreduce (target >= 3) and %.2f x "
-                  "the thread ranks' time (target <= 1.1)\n",
-                  n, worst_mpi, worst_threads);
     if (auto const* r = find(4096); r != nullptr && r->proc > 0)
       std::printf("%d processes: a 4 KiB all-reduce takes %.1f us (target <= 10)\n", n, r->proc * 1e6);
     auto const* small = find(4096);

@@ -2,7 +2,9 @@
 // the way `allreduce` times the host communicator, for the comparison column of its table; and,
 // in the same run (the two take turns, sample by sample), dparallel's all-reduce (avg, F32, in
 // place) over the same processes: the group dparallel::mpi::make_group gives, which on one node
-// moves the data through shared memory (comm/shm.hpp). Launched by scripts/bench:
+// moves the data through shared memory (comm/shm.hpp); and the same all-reduce of a buffer in the
+// group's memory (process_group::allocate), which on one node is reduced in place, without
+// copies through the segment. Launched by scripts/bench:
 // mpirun -np 2 allreduce_mpi --csv FILE. Rank 0 prints and writes.
 
 #include "bench_util.hpp"
@@ -95,27 +97,34 @@ int main(int argc, char** argv) {
 
   auto const group = dparallel::mpi::make_group(MPI_COMM_WORLD);
   bench::table t({"ranks", "bytes", "seconds_best", "seconds_median", "time_us", "algbw_GBps", "busbw_GBps",
-                  "dparallel_seconds_best", "dparallel_seconds_median", "dparallel_time_us", "dparallel_speedup_over_mpi"});
+                  "dparallel_seconds_best", "dparallel_seconds_median", "dparallel_time_us", "dparallel_speedup_over_mpi",
+                  "group_memory_seconds_best", "group_memory_seconds_median", "group_memory_time_us",
+                  "group_memory_speedup_over_mpi"});
   for (std::size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
     std::vector<float> buf(bytes / sizeof(float), 0.0f);
     std::vector<float> ours(bytes / sizeof(float), 0.0f);
+    auto const memory = group.allocate(bytes);
+    dparallel::tensor_view<float> const in_group(reinterpret_cast<float*>(memory.get()), bytes / sizeof(float));
     auto const tm = time_modes(
         {[&] { MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(buf.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
-         [&] { group.all_reduce(dparallel::view(ours), dparallel::reduce_op::avg).wait(); }},
+         [&] { group.all_reduce(dparallel::view(ours), dparallel::reduce_op::avg).wait(); },
+         [&] { group.all_reduce(in_group, dparallel::reduce_op::avg).wait(); }},
         target, reps, rank);
     double const algbw = static_cast<double>(bytes) / tm[0].best / 1e9;
     t.add({bench::fmt("%d", size), bench::fmt("%zu", bytes), bench::fmt("%.9g", tm[0].best),
            bench::fmt("%.9g", tm[0].median), bench::fmt("%.2f", tm[0].best * 1e6), bench::fmt("%.3f", algbw),
            bench::fmt("%.3f", algbw * 2.0 * (size - 1) / size), bench::fmt("%.9g", tm[1].best),
            bench::fmt("%.9g", tm[1].median), bench::fmt("%.2f", tm[1].best * 1e6),
-           bench::fmt("%.2f", tm[0].best / tm[1].best)});
+           bench::fmt("%.2f", tm[0].best / tm[1].best), bench::fmt("%.9g", tm[2].best), bench::fmt("%.9g", tm[2].median),
+           bench::fmt("%.2f", tm[2].best * 1e6), bench::fmt("%.2f", tm[0].best / tm[2].best)});
     if (rank == 0)
-      std::fprintf(stderr, "  %d processes, %s: MPI_Allreduce %.1f us, dparallel %.1f us\n", size,
-                   bench::bytes_label(bytes).c_str(), tm[0].best * 1e6, tm[1].best * 1e6);
+      std::fprintf(stderr, "  %d processes, %s: MPI_Allreduce %.1f us, dparallel %.1f us, in group memory %.1f us\n",
+                   size, bench::bytes_label(bytes).c_str(), tm[0].best * 1e6, tm[1].best * 1e6, tm[2].best * 1e6);
   }
   if (rank == 0) {
     std::printf("# MPI_Allreduce (sum, F32, in place) and dparallel::mpi::make_group's all_reduce (avg, F32, in place; "
-                "shared memory on one node) over %d processes, taking turns; %s\n",
+                "shared memory on one node; of ordinary memory, then of the group's memory) over %d processes, taking "
+                "turns; %s\n",
                 size, bench::load_note().c_str());
     t.print();
     t.write_csv(csv);

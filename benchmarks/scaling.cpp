@@ -291,36 +291,47 @@ int main(int argc, char** argv) {
     auto const world = dp::mpi::init_process_group();  // initialises MPI; finalised at exit
     dp::process_group const& group = world;
     int const ranks = group.size();
-    bench::table t({"ranks", "batch", "samples_per_s_best", "samples_per_s_median", "cpu_per_sample"});
+    bench::table t({"ranks", "batch", "samples_per_s_best", "samples_per_s_median", "cpu_per_sample", "mode"});
+    // ddp: DDP as in the thread-rank rows; ddp_view: the model's gradients in the group's memory
+    // (process_group::allocate) and options::gradient_as_bucket_view, so the all-reduces read and
+    // write every rank's gradients in place. The two take turns, round by round.
+    std::vector<std::string> const kinds{"ddp", "ddp_view"};
     for (double bd : batches) {
       auto const b = static_cast<std::size_t>(bd);
       std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
-      std::vector<double> got, cpu;
+      std::map<std::string, std::vector<double>> got, cpu;
       for (int k = 0; k < reps; ++k) {
-        mlp model(c.seed);
-        dp::distributed_data_parallel<mlp> ddp(model, group);
-        sgd_optimizer opt(ddp);
-        auto const first = static_cast<std::size_t>(group.rank()) * per_rank;
-        auto step = [&](std::size_t j) {
-          ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
-          opt.step(ddp, c.lr);
-        };
-        for (std::size_t j = 0; j < c.warmup; ++j) step(j);
-        group.barrier().wait();
-        double const cpu0 = process_cpu_seconds();
-        auto const t0 = bench::clock::now();
-        for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
-        group.barrier().wait();
-        double const wall = bench::seconds_since(t0);
-        std::vector<double> used{process_cpu_seconds() - cpu0};  // summed over the processes
-        group.all_reduce(dp::view(used)).wait();
-        auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
-        got.push_back(samples / wall);
-        cpu.push_back(used[0] / samples);
+        for (auto const& kind : kinds) {
+          mlp model(c.seed);
+          bool const view = kind == "ddp_view";
+          if (view) model.grads.place(group.allocate(mlp::grad_total * sizeof(float)));
+          dp::distributed_data_parallel<mlp> ddp(model, group, {.gradient_as_bucket_view = view});
+          sgd_optimizer opt(ddp);
+          auto const first = static_cast<std::size_t>(group.rank()) * per_rank;
+          auto step = [&](std::size_t j) {
+            ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
+            opt.step(ddp, c.lr);
+          };
+          for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+          group.barrier().wait();
+          double const cpu0 = process_cpu_seconds();
+          auto const t0 = bench::clock::now();
+          for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+          group.barrier().wait();
+          double const wall = bench::seconds_since(t0);
+          std::vector<double> used{process_cpu_seconds() - cpu0};  // summed over the processes
+          group.all_reduce(dp::view(used)).wait();
+          auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
+          got[kind].push_back(samples / wall);
+          cpu[kind].push_back(used[0] / samples);
+        }
       }
-      auto const best = static_cast<std::size_t>(std::max_element(got.begin(), got.end()) - got.begin());
-      t.add({bench::fmt("%d", ranks), bench::fmt("%zu", b), bench::fmt("%.1f", got[best]),
-             bench::fmt("%.1f", bench::median(got)), bench::fmt("%.9g", cpu[best])});
+      for (auto const& kind : kinds) {
+        auto const& g = got[kind];
+        auto const best = static_cast<std::size_t>(std::max_element(g.begin(), g.end()) - g.begin());
+        t.add({bench::fmt("%d", ranks), bench::fmt("%zu", b), bench::fmt("%.1f", g[best]), bench::fmt("%.1f", bench::median(g)),
+               bench::fmt("%.9g", cpu[kind][best]), kind});
+      }
     }
     if (group.rank() == 0) {
       std::printf("# DDP over %d MPI processes, reference workload; %s\n", ranks, bench::load_note().c_str());
@@ -364,7 +375,7 @@ int main(int argc, char** argv) {
     int ranks = 0;
     double best = 0, median = 0, cpu = 0;
   };
-  std::map<std::size_t, mpi_row> mpi;
+  std::map<std::pair<std::size_t, std::string>, mpi_row> mpi;  // (batch, ddp or ddp_view)
   if (!mpi_csv.empty()) {
     std::ifstream f(mpi_csv);
     std::string line;
@@ -372,7 +383,8 @@ int main(int argc, char** argv) {
     while (std::getline(f, line)) {
       auto const cells = split(line);
       if (cells.size() >= 5)
-        mpi[std::stoull(cells[1])] = {std::stoi(cells[0]), std::stod(cells[2]), std::stod(cells[3]), std::stod(cells[4])};
+        mpi[{std::stoull(cells[1]), cells.size() >= 6 ? cells[5] : "ddp"}] = {std::stoi(cells[0]), std::stod(cells[2]),
+                                                                            std::stod(cells[3]), std::stod(cells[4])};
     }
     if (mpi.empty()) std::fprintf(stderr, "scaling: no DDP-over-MPI rows in %s\n", mpi_csv.c_str());
   }
@@ -437,8 +449,9 @@ int main(int argc, char** argv) {
                            bench::fmt("'s = %.3f (best rounds), %.3f (medians)", x.samples_per_s / z.samples_per_s,
                                       med(d) / med(m)));
     }
-    if (auto it = mpi.find(b); it != mpi.end())
-      add("ddp_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);
+    for (std::string const kind : {"ddp", "ddp_view"})
+      if (auto it = mpi.find({b, kind}); it != mpi.end())
+        add(kind + "_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);
   }
   t.print();
   t.write_csv(csv);

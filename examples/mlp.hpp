@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -50,6 +51,44 @@ class splitmix64 {
   std::uint64_t state_;
 };
 
+/// Where a model keeps its gradients: memory of its own, or memory it was given to keep them in
+/// (place()), e.g. a process group's memory (process_group::allocate), which DDP over processes
+/// on one node all-reduces in place. A copy (a replica) always gets memory of its own: it must not
+/// write the gradients of the model it copies.
+class gradient_memory {
+ public:
+  explicit gradient_memory(std::size_t n) : size_(n), own_(n) {}
+  gradient_memory(gradient_memory const& o) : size_(o.size_), own_(o.data(), o.data() + o.size_) {}
+  gradient_memory& operator=(gradient_memory const& o) {
+    if (this != &o) {
+      if (o.size_ != size_) throw std::invalid_argument("gradient_memory: assigning gradients of another size");
+      std::copy_n(o.data(), size_, data());
+    }
+    return *this;
+  }
+  gradient_memory(gradient_memory&&) noexcept = default;
+  gradient_memory& operator=(gradient_memory&&) noexcept = default;
+  ~gradient_memory() = default;
+
+  [[nodiscard]] float* data() noexcept { return placed_ ? reinterpret_cast<float*>(placed_.get()) : own_.data(); }
+  [[nodiscard]] float const* data() const noexcept {
+    return placed_ ? reinterpret_cast<float const*>(placed_.get()) : own_.data();
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// Moves the gradients into `memory` (room for size() floats, suitably aligned), kept alive here.
+  void place(std::shared_ptr<std::byte> memory) {
+    if (!memory) throw std::invalid_argument("gradient_memory::place: expected memory, found a null pointer");
+    std::copy_n(data(), size_, reinterpret_cast<float*>(memory.get()));
+    placed_ = std::move(memory);
+    own_ = {};
+  }
+
+ private:
+  std::size_t size_;
+  std::vector<float> own_;
+  std::shared_ptr<std::byte> placed_;
+};
+
 struct mlp {
   static constexpr std::size_t inputs = 784;
   static constexpr std::size_t hidden = 512;
@@ -59,7 +98,7 @@ struct mlp {
   std::vector<float> w1, b1, w2, b2;
   // The gradients of the mean loss of the last forward_backward, in one buffer: gw1, gb1, gw2, gb2
   // back to back (what DDP's options::gradient_as_bucket_view all-reduces in place).
-  std::vector<float> grads;
+  gradient_memory grads;
   /// Gradient k (0: w1, 1: b1, 2: w2, 3: b2) as a view of `grads`.
   [[nodiscard]] dparallel::tensor_view<float> gradient(std::size_t k) {
     return {grads.data() + grad_offset(k), grad_size(k)};

@@ -15,6 +15,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/detail/subgroup_plan.hpp>
 #include <dparallel/comm/work.hpp>
+#include <dparallel/core/buffer.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -91,6 +92,7 @@ class communicator_interface {
   virtual work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) = 0;
   virtual work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op) = 0;
   virtual work all_gather_coalesced(std::span<tensor_ref const> tensors) = 0;
+  virtual std::shared_ptr<std::byte> allocate(std::size_t bytes) = 0;
   /// Every parent rank calls it with the same plan (but its own place): this rank's subgroup,
   /// empty when it is in none.
   virtual process_group subgroup(subgroup_plan const& plan) = 0;
@@ -150,6 +152,13 @@ class communicator_model final : public communicator_interface {
     c.all_gather_coalesced(t);
   };
   [[nodiscard]] bool coalesces_in_place() const override { return lists; }
+  std::shared_ptr<std::byte> allocate(std::size_t bytes) override {
+    if constexpr (requires { { c_->allocate(bytes) } -> std::same_as<std::shared_ptr<std::byte>>; }) {
+      if (auto p = c_->allocate(bytes)) return p;
+    }
+    auto owner = std::make_shared<buffer<std::byte>>(bytes);
+    return std::shared_ptr<std::byte>(owner, owner->data());
+  }
   work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) override {
     if constexpr (lists) return c_->all_reduce_coalesced(tensors, op);
     else refuse_lists("all_reduce_coalesced", "all_reduce");
@@ -293,6 +302,16 @@ class process_group {
   /// peer's all_gather_coalesced or plain all_gather of as many elements. ZeRO-1 gathers the
   /// updated parameters this way (straight into the parameters).
   work all_gather_coalesced(std::span<tensor_ref const> tensors) const { return get().all_gather_coalesced(tensors); }
+
+  /// `bytes` zeroed bytes of host memory, 64-byte aligned, for buffers this group's collectives
+  /// take (as NCCL's ncclMemAlloc, or PyTorch's symmetric memory). On a shared-memory group (shm,
+  /// or MPI on one node) it lies in the group's segment (shm::options::arena_bytes per rank): an
+  /// all_reduce or reduce of a buffer that every rank allocated here reads and writes the ranks'
+  /// buffers in place instead of copying them through the segment, the speed of thread ranks
+  /// (the same bits either way). Elsewhere, and when the segment is full, ordinary memory. The
+  /// memory stays valid after the group is gone. E.g. a model's gradients allocated here, with
+  /// gradient_as_bucket_view, are all-reduced without a copy. See docs/multi-process.md.
+  [[nodiscard]] std::shared_ptr<std::byte> allocate(std::size_t bytes) const { return get().allocate(bytes); }
 
  private:
   [[nodiscard]] detail::communicator_interface& get() const {

@@ -192,6 +192,8 @@ class desync_detector {
   [[nodiscard]] std::chrono::milliseconds timeout() const { return inner_.timeout(); }
   /// Sets the wrapped group's timeout.
   void set_timeout(std::chrono::milliseconds t) { inner_.set_timeout(t); }
+  /// The inner group's memory (process_group::allocate).
+  [[nodiscard]] std::shared_ptr<std::byte> allocate(std::size_t bytes) const { return inner_.allocate(bytes); }
   /// Number of collectives this wrapper has finished.
   [[nodiscard]] std::uint64_t completed_ops() const noexcept { return worker_.completed(); }
   /// Blocks until every collective issued so far has finished (successfully or not).

@@ -158,6 +158,14 @@ class communicator {
   /// Ends a hold(): the communication thread runs what was held.
   void release() { queue_.release(); }
 
+  /// `bytes` zeroed bytes of this rank's group memory (see process_group::allocate), or null when
+  /// it has no room left; valid while the returned pointer (or a copy) lives.
+  [[nodiscard]] std::shared_ptr<std::byte> allocate(std::size_t bytes) {
+    std::byte* const p = group_->arena().take(bytes);
+    if (p == nullptr) return nullptr;
+    return std::shared_ptr<std::byte>(p, [g = group_](std::byte* q) { g->arena().give(q); });
+  }
+
   /// This rank's subgroup of a split (see process_group::split): a shared-memory group of its
   /// own segment (shm/detail/subgroup.hpp), with this group's timeout; empty when the rank is in
   /// none. Every rank calls it, with the same plan.

@@ -21,6 +21,12 @@ struct options {
   /// Bytes per rank of one chunk of a large collective: the segment holds (ranks + 1) chunks plus
   /// 2 x ranks small slots (only the pages used are backed by memory).
   std::size_t chunk_bytes = std::size_t{4} << 20;
+  /// Bytes per rank of group memory: what process_group::allocate hands out in the segment, so
+  /// that an all_reduce or reduce of a buffer every rank allocated there reads and writes the
+  /// ranks' buffers in place (no copy through the segment). Address space only: a page takes
+  /// memory once allocated. Allocations beyond it (or beyond what /dev/shm holds) get ordinary
+  /// memory, which the collectives copy as before. Subgroups get the same.
+  std::size_t arena_bytes = std::size_t{1} << 30;
   /// Names the segment "/dparallel-<job_id>" (letters, digits, '.', '_', '-'); empty (the
   /// default): rank 0 picks a random name. A segment of that name left by an earlier job that
   /// crashed during its setup is replaced; one whose creating process still runs is an error.

@@ -86,8 +86,12 @@ inline std::shared_ptr<shm_group> join_shm_group(int rank, int n, shm::bootstrap
                    std::to_string(opts.chunk_bytes));
   if (opts.small_bytes > (std::size_t{1} << 30) || opts.chunk_bytes > (std::size_t{1} << 32))
     shm_setup_fail("expected options::small_bytes <= 1 GiB and chunk_bytes <= 4 GiB");
+  if (opts.arena_bytes > (std::size_t{1} << 40))
+    shm_setup_fail("expected options::arena_bytes <= 1 TiB, found " + std::to_string(opts.arena_bytes));
   if (n > 1 && !share) shm_setup_fail("expected a bootstrap function to share the segment's name, found none");
-  shm_layout const layout{n, shm_layout::round(opts.small_bytes), shm_layout::round(opts.chunk_bytes)};
+  shm_layout const layout{n, shm_layout::round(opts.small_bytes), shm_layout::round(opts.chunk_bytes),
+                          (opts.arena_bytes + shm_layout::arena_align - 1) / shm_layout::arena_align *
+                              shm_layout::arena_align};
 
   std::unique_ptr<shm_segment> seg;
   std::vector<std::byte> mine;

@@ -14,12 +14,17 @@
 // Larger ones go in chunks of options::chunk_bytes per rank, with two meetings per chunk:
 //   all_reduce / reduce: copy the chunk in, but for this rank's slice; meet; rank r sums slice r
 //     (rank_slice) of every rank's copy (its own from its buffer) into the result area and into
-//     its own buffer; meet; copy the other slices out;
+//     its own buffer; meet; copy the other slices out. A rank whose buffer lies in its group
+//     memory (process_group::allocate; segment.hpp) says so in its descriptor and copies nothing:
+//     the peers read its slices in place and write their sums straight into it. When every
+//     rank's buffer is there, the whole buffer goes in one pass with two meetings, as thread
+//     ranks reduce (reduce_chunk);
 //   broadcast: the root copies the chunk into the result area; meet; the others copy it out; meet;
 //   reduce_scatter: copy in every block's part of the chunk; meet; sum this rank's block; meet;
 //   all_gather: copy the chunk in; meet; copy every rank's chunk out; meet.
 // all_reduce_coalesced reads a list of tensors as one array: the same steps, copying the list in
-// and the sums out run by run (small_list, chunked_list), so it matches a peer's all_reduce.
+// and the sums out run by run (small_list, chunked_list; this rank's own slice of a chunk is read
+// from the list and its sums written into it), so it matches a peer's all_reduce.
 // reduce_scatter_coalesced and all_gather_coalesced take the steps of their plain forms, with
 // the copies in (take_in, take_block) and out (give_out) going run by run through the list.
 // The first meeting of every collective also compares the ranks' descriptors of it (check()).
@@ -50,7 +55,10 @@ namespace detail {
 /// Runs one rank's collectives over a shm_group (on its communication thread, one at a time).
 class shm_runner {
  public:
-  explicit shm_runner(shm_group& g) : g_(g), srcs_(static_cast<std::size_t>(g.size())) {}
+  explicit shm_runner(shm_group& g)
+      : g_(g), srcs_(static_cast<std::size_t>(g.size())), peers_(static_cast<std::size_t>(g.size())) {
+    dsts_.reserve(static_cast<std::size_t>(g.size()) + 1);
+  }
 
   /// Collective `seq` of this rank: its failure, or null.
   /// `list`: a *_coalesced call's tensors (c.parts of them), in place of `a` (all_reduce,
@@ -62,11 +70,15 @@ class shm_runner {
     call_ = c;
     timeout_ = timeout;
     checked_ = false;
-    g_.publish(seq, c);
     A_ = static_cast<std::byte*>(a.data());
     B_ = static_cast<std::byte*>(b.data());
     esz_ = size_of(c.type);
     list_ = list;
+    // A chunked all_reduce or reduce of a buffer in this rank's group memory: the peers use it in place.
+    std::size_t const bytes = c.count * esz_;
+    bool const reduces = c.kind == comm_kind::all_reduce || c.kind == comm_kind::reduce;
+    direct_ = c.parts == 0 && reduces && bytes > g_.segment().layout().small ? g_.arena().offset_of(A_, bytes) : 0;
+    g_.publish(seq, c, direct_);
     bool ok = true;
     if (c.parts != 0 && c.kind == comm_kind::all_reduce)
       ok = input_bytes() <= g_.segment().layout().small ? small_list() : chunked_list();
@@ -152,33 +164,27 @@ class shm_runner {
     std::size_t const chunk = g_.segment().layout().chunk;
     std::size_t const count = call_.count;
     auto const slot = [&](int j) { return chunk_slot(j); };
-    std::size_t const step = std::max<std::size_t>(1, call_.kind == comm_kind::reduce_scatter ? chunk / (un * esz_)
-                                                                                                : chunk / esz_);
+    std::size_t step = std::max<std::size_t>(1, call_.kind == comm_kind::reduce_scatter ? chunk / (un * esz_)
+                                                                                          : chunk / esz_);
+    // This rank's buffer is in its group memory: it has nothing to copy in, so it meets first and
+    // learns where the peers' buffers are. When they all are in group memory, no rank copies
+    // anything and the whole buffer goes in one pass (as thread ranks reduce).
+    bool met_first = false;
+    if (direct_ != 0) {
+      if (!meet()) return false;
+      met_first = true;
+      find_peers();
+      if (std::all_of(peers_.begin(), peers_.end(), [](std::byte* p) { return p != nullptr; })) step = count;
+    }
     for (std::size_t lo = 0; lo < count; lo += step) {
       std::size_t const len = std::min(step, count - lo);
       std::size_t const bytes = len * esz_;
       std::byte* const mine = A_ == nullptr ? nullptr : A_ + lo * esz_;  // none: all_gather into a list
       switch (call_.kind) {
         case comm_kind::all_reduce:
-        case comm_kind::reduce: {
-          // Only the slices the peers reduce are copied in: this rank reads its own from its buffer.
-          auto const [s0, s1] = rank_slice(len, n, r);
-          copy(chunk_slot(r), mine, s0 * esz_);
-          copy(chunk_slot(r) + s1 * esz_, mine + s1 * esz_, (len - s1) * esz_);
-          if (!meet()) return false;
-          bool const keeps = call_.kind == comm_kind::all_reduce || r == call_.root;
-          auto const source = [&](int j) { return j == r ? mine : chunk_slot(j); };
-          if (s1 > s0) {
-            if (keeps) reduce_from(source, s0 * esz_, {result() + s0 * esz_, mine + s0 * esz_}, s1 - s0);
-            else reduce_from(source, s0 * esz_, {result() + s0 * esz_}, s1 - s0);
-          }
-          if (!meet()) return false;
-          if (keeps) {
-            copy(mine, result(), s0 * esz_);
-            copy(mine + s1 * esz_, result() + s1 * esz_, (len - s1) * esz_);
-          }
+        case comm_kind::reduce:
+          if (!reduce_chunk(lo, len, mine, lo == 0 && met_first)) return false;
           break;
-        }
         case comm_kind::broadcast:
           if (r == call_.root) copy(result(), mine, bytes);
           if (!meet()) return false;
@@ -201,6 +207,56 @@ class shm_runner {
       }
     }
     return checked_ || meet();  // a collective with no elements still meets (and is checked) once
+  }
+
+  // all_reduce / reduce, elements [lo, lo + len) at `mine`: copy in (unless this rank's buffer is
+  // in group memory) all but this rank's slice; meet (unless met already); rank r sums slice r of
+  // every rank's copy (in place for the ranks whose buffers are in group memory, from its own
+  // buffer for itself) into the result area (when some rank copies its results out) and into the
+  // buffers that keep the result and are in place; meet; copy the other slices out.
+  bool reduce_chunk(std::size_t lo, std::size_t len, std::byte* mine, bool met) {
+    int const r = g_.rank();
+    int const n = g_.size();
+    auto const [s0, s1] = rank_slice(len, n, r);
+    if (direct_ == 0) {
+      copy(chunk_slot(r), mine, s0 * esz_);
+      copy(chunk_slot(r) + s1 * esz_, mine + s1 * esz_, (len - s1) * esz_);
+    }
+    if (!met && !meet()) return false;
+    if (lo == 0 && !met) find_peers();
+    auto const keeps = [&](int j) { return call_.kind == comm_kind::all_reduce || j == call_.root; };
+    if (s1 > s0) {
+      bool copied_out = false;
+      dsts_.clear();
+      for (int j = 0; j < n; ++j) {
+        if (!keeps(j)) continue;
+        std::byte* const p = peers_[static_cast<std::size_t>(j)];
+        if (j == r) dsts_.push_back(mine + s0 * esz_);
+        else if (p != nullptr) dsts_.push_back(p + (lo + s0) * esz_);
+        if (p == nullptr) copied_out = true;
+      }
+      if (copied_out) dsts_.push_back(result() + s0 * esz_);
+      for (int j = 0; j < n; ++j) {
+        std::byte* const p = peers_[static_cast<std::size_t>(j)];
+        srcs_[static_cast<std::size_t>(j)] = (j == r ? mine : p != nullptr ? p + lo * esz_ : chunk_slot(j)) + s0 * esz_;
+      }
+      reduce_any(call_.type, srcs_, dsts_, s1 - s0, call_.op, n);
+    }
+    if (!meet()) return false;
+    if (keeps(r) && direct_ == 0) {
+      copy(mine, result(), s0 * esz_);
+      copy(mine + s1 * esz_, result() + s1 * esz_, (len - s1) * esz_);
+    }
+    return true;
+  }
+
+  // After the first meeting of a reduction: each rank's buffer where it lies in its group memory
+  // (this rank's too), else null.
+  void find_peers() {
+    std::size_t const bytes = call_.count * esz_;
+    for (int j = 0; j < g_.size(); ++j)
+      peers_[static_cast<std::size_t>(j)] =
+          j == g_.rank() ? (direct_ != 0 ? A_ : nullptr) : g_.buffer_of(j, seq_, bytes);
   }
 
   // reduce_scatter: elements [lo, lo + len) of this rank's input array (its list, or `in`) into
@@ -258,22 +314,41 @@ class shm_runner {
     return true;
   }
 
-  // all_reduce_coalesced, in chunks: the whole chunk into this rank's slot (its own slice too);
-  // meet; slice r of the sums into the result area; meet; the whole chunk out into the list.
-  // The same sums, in rank order, as chunked(): the same bits.
+  // all_reduce_coalesced, in chunks, as reduce_chunk: the chunk into this rank's slot but for its
+  // own slice; meet; slice r of the sums, a run of one tensor at a time, from the list and the
+  // peers' copies (or their buffers in group memory) into the result area, the list and the
+  // peers' buffers in group memory; meet; the other slices out into the list. The same sums, in
+  // rank order, as chunked(): the same bits, and it meets a peer's plain all_reduce.
   bool chunked_list() {
     int const r = g_.rank();
+    int const n = g_.size();
     std::size_t const step = std::max<std::size_t>(1, g_.segment().layout().chunk / esz_);
-    coalesced_cursor in(list_, esz_), out(list_, esz_);
-    auto const slot = [&](int j) { return chunk_slot(j); };
+    coalesced_cursor in(list_, esz_), own(list_, esz_), out(list_, esz_);
     for (std::size_t lo = 0; lo < call_.count; lo += step) {
       std::size_t const len = std::min(step, call_.count - lo);
-      move_list(in, lo, len, chunk_slot(r), true);
+      auto const [s0, s1] = rank_slice(len, n, r);
+      move_list(in, lo, s0, chunk_slot(r), true);
+      move_list(in, lo + s1, len - s1, chunk_slot(r) + s1 * esz_, true);
       if (!meet()) return false;
-      auto const [s0, s1] = rank_slice(len, g_.size(), r);
-      if (s1 > s0) reduce_from(slot, s0 * esz_, {result() + s0 * esz_}, s1 - s0);
+      if (lo == 0) find_peers();
+      for (std::size_t a = s0; a < s1;) {
+        auto const [p, run] = own.locate(lo + a);
+        std::size_t const m = std::min(run, s1 - a);
+        dsts_.clear();
+        dsts_.push_back(result() + a * esz_);
+        dsts_.push_back(p);
+        for (int j = 0; j < n; ++j) {
+          std::byte* const peer = peers_[static_cast<std::size_t>(j)];
+          if (j != r && peer != nullptr) dsts_.push_back(peer + (lo + a) * esz_);
+          srcs_[static_cast<std::size_t>(j)] =
+              j == r ? static_cast<void const*>(p) : (peer != nullptr ? peer + lo * esz_ : chunk_slot(j)) + a * esz_;
+        }
+        reduce_any(call_.type, srcs_, dsts_, m, call_.op, n);
+        a += m;
+      }
       if (!meet()) return false;
-      move_list(out, lo, len, result(), false);
+      move_list(out, lo, s0, result(), false);
+      move_list(out, lo + s1, len - s1, result() + s1 * esz_, false);
     }
     return checked_ || meet();
   }
@@ -281,6 +356,9 @@ class shm_runner {
   shm_group& g_;
   std::span<tensor_ref const> list_;  // a *_coalesced call's tensors
   std::vector<void const*> srcs_;
+  std::vector<void*> dsts_;
+  std::vector<std::byte*> peers_;  // a reduction's buffers in group memory, by rank (find_peers)
+  std::size_t direct_ = 0;         // offset of this rank's buffer in its group memory; 0: not there
   std::uint64_t seq_ = 0;
   comm_call call_{};
   std::chrono::milliseconds timeout_{};

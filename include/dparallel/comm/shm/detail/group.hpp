@@ -19,6 +19,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/detail/progress.hpp>
+#include <dparallel/comm/shm/detail/arena.hpp>
 #include <dparallel/comm/shm/detail/segment.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/spin.hpp>
@@ -48,13 +49,21 @@ class shm_group {
   using clock = std::chrono::steady_clock;
   static constexpr std::uint64_t open = std::numeric_limits<std::uint64_t>::max();
 
-  shm_group(std::unique_ptr<shm_segment> seg, int rank) : seg_(std::move(seg)), rank_(rank), n_(seg_->layout().n) {}
+  shm_group(std::unique_ptr<shm_segment> seg, int rank)
+      : seg_(std::move(seg)),
+        rank_(rank),
+        n_(seg_->layout().n),
+        arena_(*seg_, seg_->layout().arena_at(rank), seg_->layout().arena) {}
   shm_group(shm_group const&) = delete;
   shm_group& operator=(shm_group const&) = delete;
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return n_; }
   [[nodiscard]] shm_segment& segment() const noexcept { return *seg_; }
+  /// This rank's group memory (process_group::allocate).
+  [[nodiscard]] shm_arena& arena() noexcept { return arena_; }
+  [[nodiscard]] shm_arena const& arena() const noexcept { return arena_; }
+
   /// A subgroup's members in its parent (named in its errors); set before its first collective.
   void set_parent_ranks(std::vector<int> ranks) { parent_ranks_ = std::move(ranks); }
 
@@ -106,16 +115,29 @@ class shm_group {
     return wait_for(arrived, deadline_after(timeout), [&] { fail_arrival(k, seq, call, timeout); }, seq);
   }
 
-  /// Publishes this rank's descriptor of collective `seq` (before its first barrier).
-  void publish(std::uint64_t seq, comm_call const& c) {
+  /// Publishes this rank's descriptor of collective `seq` (before its first barrier); `where`: the
+  /// offset of its buffer in its group memory, for the peers to use in place (0: none).
+  void publish(std::uint64_t seq, comm_call const& c, std::size_t where = 0) {
     seg_->slot(rank_).calls[seq % 2] = shm_call_record{seq,
                                                        c.count,
                                                        c.total,
+                                                       where == 0 ? 0 : where + 1,
                                                        c.root,
                                                        static_cast<std::uint8_t>(c.kind),
                                                        static_cast<std::uint8_t>(c.type),
                                                        static_cast<std::uint8_t>(c.op),
                                                        0};
+  }
+
+  /// After the first barrier of `seq`: rank j's buffer when it published one in its group memory
+  /// (of `bytes` bytes, checked to lie in j's region), else null.
+  [[nodiscard]] std::byte* buffer_of(int j, std::uint64_t seq, std::size_t bytes) const noexcept {
+    std::uint64_t const w = seg_->slot(j).calls[seq % 2].where;
+    if (w == 0) return nullptr;
+    auto const& L = seg_->layout();
+    std::size_t const at = static_cast<std::size_t>(w - 1);
+    if (at < L.arena_at(j) || at + bytes > L.arena_at(j + 1)) return nullptr;
+    return seg_->at(at);
   }
 
   /// After the first barrier of `seq`: every rank compares every descriptor with rank 0's and
@@ -282,6 +304,7 @@ class shm_group {
   int n_;
   std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise
   std::uint64_t step_ = 0;  // the communication thread's only
+  shm_arena arena_;
 };
 
 }  // namespace detail

@@ -15,6 +15,13 @@
 // A name that exists already (a segment left by an earlier job that crashed during its setup,
 // with the same shm::options::job_id) is replaced when the process that created it is gone, and
 // is a clear error when that process still runs.
+//
+// Group memory. Past the chunks, each rank has a region of options::arena_bytes (rounded up to
+// pages) that process_group::allocate hands out (shm/detail/arena.hpp). The file is sized to hold
+// them but is sparse: a page takes memory once it is reserved (fallocate, so a full /dev/shm is an
+// error at allocation rather than a SIGBUS at first touch) or touched. The descriptor of an
+// all_reduce or reduce whose buffer lies in its rank's region carries the buffer's offset, so the
+// peers read and write it in place (shm/detail/collectives.hpp).
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/error.hpp>
@@ -53,7 +60,7 @@ DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x4450'4152'5348'4d31ull;  // "DPARSHM1"
-inline constexpr std::uint64_t shm_version = 1;
+inline constexpr std::uint64_t shm_version = 2;
 inline constexpr std::size_t shm_reason_bytes = 1024;
 
 /// A collective's descriptor as a rank publishes it in its slot (what must match across ranks).
@@ -61,6 +68,7 @@ struct shm_call_record {
   std::uint64_t seq;
   std::uint64_t count;
   std::uint64_t total;
+  std::uint64_t where;  // 1 + the offset of the rank's buffer in its arena region (direct); 0: none
   std::int32_t root;
   std::uint8_t kind;
   std::uint8_t type;
@@ -86,6 +94,7 @@ struct alignas(64) shm_header {
   std::int32_t pad0;
   std::uint64_t small_bytes;
   std::uint64_t chunk_bytes;
+  std::uint64_t arena_bytes;
   std::uint64_t total_bytes;
   alignas(64) std::uint32_t epoch;     // bumped on every change waiters wait for (the futex word)
   std::uint32_t sleepers;              // waiters inside futex_wait
@@ -107,6 +116,9 @@ struct shm_layout {
   int n = 1;
   std::size_t small = 0;  // per rank and parity
   std::size_t chunk = 0;  // per rank (and the result area)
+  std::size_t arena = 0;  // per rank: its group memory (a multiple of arena_align)
+
+  static constexpr std::size_t arena_align = 4096;
 
   static constexpr std::size_t round(std::size_t v) noexcept { return (v + 63) / 64 * 64; }
   [[nodiscard]] std::size_t slots_at() const noexcept { return round(sizeof(shm_header)); }
@@ -115,7 +127,10 @@ struct shm_layout {
   }
   [[nodiscard]] std::size_t chunk_at() const noexcept { return small_at() + 2 * static_cast<std::size_t>(n) * small; }
   [[nodiscard]] std::size_t result_at() const noexcept { return chunk_at() + static_cast<std::size_t>(n) * chunk; }
-  [[nodiscard]] std::size_t total() const noexcept { return result_at() + chunk; }
+  [[nodiscard]] std::size_t arena_at(int j) const noexcept {
+    return (result_at() + chunk + arena_align - 1) / arena_align * arena_align + static_cast<std::size_t>(j) * arena;
+  }
+  [[nodiscard]] std::size_t total() const noexcept { return arena_at(n); }
 };
 
 /// Whether process `pid` is gone: no such process, or a zombie (dead, not yet reaped).
@@ -165,6 +180,7 @@ class shm_segment {
   ~shm_segment() {
     if (!unlinked_ && owns_name_) ::shm_unlink(name_.c_str());
     if (base_ != nullptr) ::munmap(base_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
   }
 
   /// Rank 0: creates and maps segment `name` for `layout` (see the top of the file for a name that exists).
@@ -199,6 +215,7 @@ class shm_segment {
     h.world = layout.n;
     h.small_bytes = layout.small;
     h.chunk_bytes = layout.chunk;
+    h.arena_bytes = layout.arena;
     h.total_bytes = s->bytes_;
     for (int j = 0; j < layout.n; ++j) s->slot(j).closed = std::numeric_limits<std::uint64_t>::max();
     shm_word(h.magic).store(shm_magic, std::memory_order_release);
@@ -232,7 +249,10 @@ class shm_segment {
                               "name); expected " + std::to_string(n) + " ranks, found a header for " +
                               std::to_string(h.world));
     }
-    s->layout_ = shm_layout{n, static_cast<std::size_t>(h.small_bytes), static_cast<std::size_t>(h.chunk_bytes)};
+    s->layout_ = shm_layout{n, static_cast<std::size_t>(h.small_bytes), static_cast<std::size_t>(h.chunk_bytes),
+                            static_cast<std::size_t>(h.arena_bytes)};
+    if (s->layout_.total() != s->bytes_)
+      throw comm_error(0, "dparallel: shm: shared-memory segment " + name + " has a header that does not add up");
     s->owns_name_ = true;  // until the group is complete, any rank may unlink it
     return s;
   }
@@ -255,6 +275,18 @@ class shm_segment {
   /// Forgets the name without unlinking it (another rank does).
   void disown() noexcept { owns_name_ = false; }
 
+  /// Backs bytes [offset, offset + bytes) with memory now (fallocate): false when /dev/shm cannot
+  /// hold them (or the system has no fallocate for it), instead of a SIGBUS when they are touched.
+  [[nodiscard]] bool reserve(std::size_t offset, std::size_t bytes) const noexcept {
+#if defined(__linux__)
+    return bytes == 0 || (offset + bytes <= bytes_ &&
+                          ::fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(bytes)) == 0);
+#else
+    (void)offset;
+    return bytes == 0;
+#endif
+  }
+
  private:
   explicit shm_segment(std::string name) : name_(std::move(name)) {}
 
@@ -264,11 +296,11 @@ class shm_segment {
     throw comm_error(0, "dparallel: shm: " + what + ": " + std::system_category().message(err));
   }
 
+  // Maps the segment, keeping `fd` for reserve() (closed with the mapping).
   void map(int fd) {
+    fd_ = fd;
     void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int const e = errno;
-    ::close(fd);
-    if (p == MAP_FAILED) fail("could not map shared-memory segment " + name_, e);
+    if (p == MAP_FAILED) fail("could not map shared-memory segment " + name_, errno);
     base_ = p;
   }
 
@@ -297,6 +329,7 @@ class shm_segment {
 
   std::string name_;
   void* base_ = nullptr;
+  int fd_ = -1;
   std::size_t bytes_ = 0;
   shm_layout layout_{};
   bool owns_name_ = false;

@@ -40,7 +40,8 @@ inline std::shared_ptr<shm_group> join_shm_subgroup(
     std::chrono::milliseconds timeout) {
   auto const& h = parent.segment().header();
   shm::options const opts{.small_bytes = static_cast<std::size_t>(h.small_bytes),
-                          .chunk_bytes = static_cast<std::size_t>(h.chunk_bytes)};
+                          .chunk_bytes = static_cast<std::size_t>(h.chunk_bytes),
+                          .arena_bytes = static_cast<std::size_t>(h.arena_bytes)};
   bool exchanged = false;
   auto const exchange = [&](std::span<std::byte const> bytes) {
     exchanged = true;
