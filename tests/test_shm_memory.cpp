@@ -1,7 +1,7 @@
 // Group memory of the shared-memory communicator (process_group::allocate): the allocator of a
 // rank's region (blocks, merging, exhaustion, which addresses it owns); memory that lies in the
-// group's segment; all_reduce and reduce of buffers in it (every rank's, some ranks', none) give
-// the bits of thread ranks, one-pass and chunked; allocation past the region falls back to
+// group's segment; all_reduce and reduce of buffers in it (every rank's, some ranks', none; a peer
+// passing a list) give the bits of thread ranks, small, one-pass and chunked; allocation past the region falls back to
 // ordinary memory; and DDP over processes whose gradients live in group memory, all-reduced in
 // place with gradient_as_bucket_view, trains bitwise the parameters of DDP over thread ranks.
 #include "fork_ranks.hpp"
@@ -251,9 +251,12 @@ TEST_CASE("shm group memory: all_reduce and reduce in place give the thread-rank
       unsigned const listed = in_group == ~0u ? 0u : 1u << (n - 1);
       auto const ref =
           thread_reference(n, [&](dpl::process_group const& g) { return reductions(g, in_group, listed); });
-      for (bool tiny : {false, true}) {
-        dpl::shm::options const opts =
-            tiny ? dpl::shm::options{.small_bytes = 256, .chunk_bytes = 4096} : dpl::shm::options{.small_bytes = 256};
+      // Default options (the two smaller sizes meet once or twice, the largest in chunks), every
+      // size in chunks, every size in many chunks.
+      for (int variant : {0, 1, 2}) {
+        dpl::shm::options const opts = variant == 0   ? dpl::shm::options{}
+                                       : variant == 1 ? dpl::shm::options{.small_bytes = 256}
+                                                      : dpl::shm::options{.small_bytes = 256, .chunk_bytes = 4096};
         std::vector<pid_t> pids;
         auto const got = run_ranks(
             n,
@@ -263,7 +266,7 @@ TEST_CASE("shm group memory: all_reduce and reduce in place give the thread-rank
             },
             &pids);
         for (int r = 0; r < n; ++r) {
-          INFO(n << " processes, in group memory (mask) " << in_group << ", tiny chunks " << tiny << ", rank " << r);
+          INFO(n << " processes, in group memory (mask) " << in_group << ", options " << variant << ", rank " << r);
           CHECK(got[static_cast<std::size_t>(r)].exit_code == 0);
           CHECK(got[static_cast<std::size_t>(r)].text == ref[static_cast<std::size_t>(r)]);
         }

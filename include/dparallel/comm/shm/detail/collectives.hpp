@@ -10,7 +10,8 @@
 // input into its small slot of the collective's parity (sequence number mod 2), they meet, and
 // each rank computes its own result from every slot. A slot is written again two collectives
 // later, after every rank has passed the meeting of the collective in between, i.e. after every
-// rank finished reading it.
+// rank finished reading it. An all_reduce or reduce in which some rank's buffer lies in its group
+// memory meets twice (small_reduce), that rank copying nothing in.
 // Larger ones go in chunks of options::chunk_bytes per rank, with two meetings per chunk:
 //   all_reduce / reduce: copy the chunk in, but for this rank's slice; meet; rank r sums slice r
 //     (rank_slice) of every rank's copy (its own from its buffer) into the result area and into
@@ -74,10 +75,10 @@ class shm_runner {
     B_ = static_cast<std::byte*>(b.data());
     esz_ = size_of(c.type);
     list_ = list;
-    // A chunked all_reduce or reduce of a buffer in this rank's group memory: the peers use it in place.
+    // An all_reduce or reduce of a buffer in this rank's group memory: the peers use it in place.
     std::size_t const bytes = c.count * esz_;
     bool const reduces = c.kind == comm_kind::all_reduce || c.kind == comm_kind::reduce;
-    direct_ = c.parts == 0 && reduces && bytes > g_.segment().layout().small ? g_.arena().offset_of(A_, bytes) : 0;
+    direct_ = c.parts == 0 && reduces && bytes != 0 ? g_.arena().offset_of(A_, bytes) : 0;
     g_.publish(seq, c, direct_);
     bool ok = true;
     if (c.parts != 0 && c.kind == comm_kind::all_reduce)
@@ -119,10 +120,13 @@ class shm_runner {
 
   // srcs_[j] = base(j) + offset for every rank j, then the reduction into `dsts`.
   template <class Base>
-  void reduce_from(Base base, std::size_t offset, std::initializer_list<void*> dsts, std::size_t count) {
+  void reduce_from(Base base, std::size_t offset, std::span<void* const> dsts, std::size_t count) {
     for (int j = 0; j < g_.size(); ++j) srcs_[static_cast<std::size_t>(j)] = base(j) + offset;
-    std::span<void* const> const d(dsts.begin(), dsts.size());
-    reduce_any(call_.type, srcs_, d, count, call_.op, g_.size());
+    reduce_any(call_.type, srcs_, dsts, count, call_.op, g_.size());
+  }
+  template <class Base>
+  void reduce_from(Base base, std::size_t offset, std::initializer_list<void*> dsts, std::size_t count) {
+    reduce_from(base, offset, std::span<void* const>(dsts.begin(), dsts.size()), count);
   }
 
   bool small() {
@@ -130,7 +134,9 @@ class shm_runner {
     std::size_t const bytes = call_.count * esz_;
     switch (call_.kind) {
       case comm_kind::all_reduce:
-      case comm_kind::reduce: copy(small_slot(r), A_, bytes); break;
+      case comm_kind::reduce:
+        if (direct_ == 0) copy(small_slot(r), A_, bytes);
+        break;
       case comm_kind::broadcast:
         if (r == call_.root) copy(small_slot(r), A_, bytes);
         break;
@@ -141,10 +147,8 @@ class shm_runner {
     if (!meet()) return false;
     auto const slot = [&](int j) { return small_slot(j); };
     switch (call_.kind) {
-      case comm_kind::all_reduce: reduce_from(slot, 0, {A_}, call_.count); break;
-      case comm_kind::reduce:
-        if (r == call_.root) reduce_from(slot, 0, {A_}, call_.count);
-        break;
+      case comm_kind::all_reduce:
+      case comm_kind::reduce: return small_reduce();
       case comm_kind::broadcast:
         if (r != call_.root) copy(A_, small_slot(call_.root), bytes);
         break;
@@ -154,6 +158,43 @@ class shm_runner {
         break;
       case comm_kind::barrier: break;
     }
+    return true;
+  }
+
+  // all_reduce / reduce of at most small_bytes, after the meeting. With no rank's buffer in group
+  // memory, each rank that keeps the result sums every slot into its buffer (one meeting). With
+  // every rank's there, as reduce_chunk: rank r sums slice r of every buffer into the buffers that
+  // keep the result; meet. Some: every rank that keeps the result sums the slots and the buffers
+  // in group memory, into its buffer (not in group memory) or its slot (in group memory, which
+  // its peers are still reading); meet; the latter copy the slot into their buffer.
+  bool small_reduce() {
+    int const r = g_.rank();
+    int const n = g_.size();
+    auto const keeps = [&](int j) { return call_.kind == comm_kind::all_reduce || j == call_.root; };
+    auto const slot = [&](int j) { return small_slot(j); };
+    find_peers();
+    auto const in_group = [](std::byte* p) { return p != nullptr; };
+    if (std::none_of(peers_.begin(), peers_.end(), in_group)) {
+      if (keeps(r)) reduce_from(slot, 0, {A_}, call_.count);
+      return true;
+    }
+    if (std::all_of(peers_.begin(), peers_.end(), in_group)) {
+      auto const [s0, s1] = rank_slice(call_.count, n, r);
+      if (s1 > s0) {
+        dsts_.clear();
+        for (int j = 0; j < n; ++j)
+          if (keeps(j)) dsts_.push_back(peers_[static_cast<std::size_t>(j)] + s0 * esz_);
+        reduce_from([&](int j) { return peers_[static_cast<std::size_t>(j)]; }, s0 * esz_, dsts_, s1 - s0);
+      }
+      return meet();
+    }
+    if (keeps(r)) {
+      std::byte* const into = direct_ != 0 ? small_slot(r) : A_;
+      reduce_from([&](int j) { std::byte* p = peers_[static_cast<std::size_t>(j)]; return p != nullptr ? p : slot(j); },
+                  0, {into}, call_.count);
+    }
+    if (!meet()) return false;
+    if (keeps(r) && direct_ != 0) copy(A_, small_slot(r), call_.count * esz_);
     return true;
   }
 
@@ -300,18 +341,24 @@ class shm_runner {
   }
 
   // all_reduce_coalesced, small: the list into this rank's small slot; meet; the sums of every
-  // slot written straight into the list, a run of one tensor at a time.
+  // slot written straight into the list, a run of one tensor at a time. Peers whose buffers are
+  // in group memory are read there, and then the ranks meet once more (small_reduce).
   bool small_list() {
     coalesced_cursor in(list_, esz_), out(list_, esz_);
     move_list(in, 0, call_.count, small_slot(g_.rank()), true);
     if (!meet()) return false;
-    auto const slot = [&](int j) { return small_slot(j); };
+    find_peers();
+    auto const source = [&](int j) {
+      std::byte* const p = peers_[static_cast<std::size_t>(j)];
+      return p != nullptr ? p : small_slot(j);
+    };
     for (std::size_t lo = 0; lo < call_.count;) {
       auto const [p, run] = out.locate(lo);
-      reduce_from(slot, lo * esz_, {p}, run);
+      reduce_from(source, lo * esz_, {p}, run);
       lo += run;
     }
-    return true;
+    bool const shared = std::any_of(peers_.begin(), peers_.end(), [](std::byte* q) { return q != nullptr; });
+    return !shared || meet();
   }
 
   // all_reduce_coalesced, in chunks, as reduce_chunk: the chunk into this rank's slot but for its
