@@ -153,6 +153,9 @@ template <class Bundle>
 result run_ddp_mpi_as(config const& cfg, training_data const& data, start_point const& start) {
   dparallel::process_group const& group = *mpi_group;
   mlp model = start.model;
+  // --bucket-view: the gradients in the group's memory, which on one node the all-reduces read and
+  // write in place in every process (process_group::allocate; ordinary memory across nodes).
+  if (cfg.bucket_view) model.grads.place(group.allocate(mlp::grad_total * sizeof(float)));
   dparallel::parallel<mlp, Bundle> ddp(model, group, ddp_options(cfg));
   if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
   result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
