@@ -9,7 +9,8 @@
 // what a spinning thread can take from the others (it also yields the core every few polls).
 //
 // The budget is 20 microseconds unless the environment variable DPARALLEL_SPIN_US sets another
-// (read once, at the first wait); DPARALLEL_SPIN_US=0 turns spinning off.
+// (read once, at the first wait); DPARALLEL_SPIN_US=0 turns spinning off. A waiter may spin a
+// multiple of it (the shared-memory group's ranks: comm/shm/detail/group.hpp).
 
 #include <dparallel/config.hpp>
 
@@ -53,12 +54,12 @@ inline std::chrono::nanoseconds spin_budget() {
   return budget;
 }
 
-/// Polls `ready()` until it is true (returns true) or the spin budget has passed (returns
-/// false: the caller then blocks). `ready` must be cheap and safe to call without locks.
+/// Polls `ready()` until it is true (returns true) or `budget` (the spin budget unless given) has
+/// passed (returns false: the caller then blocks). `ready` must be cheap and safe to call without
+/// locks.
 template <class Ready>
-bool spin_until(Ready&& ready) {
+bool spin_until(Ready&& ready, std::chrono::nanoseconds budget = spin_budget()) {
   if (ready()) return true;
-  auto const budget = spin_budget();
   if (budget.count() == 0) return false;
   auto const start = std::chrono::steady_clock::now();
   for (unsigned i = 1;; ++i) {
