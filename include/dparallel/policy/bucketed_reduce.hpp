@@ -4,6 +4,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/core/bucket_views.hpp>
 #include <dparallel/core/buckets.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/options.hpp>
@@ -195,71 +196,19 @@ class bucketed_reduce {
 
   static std::size_t mib(double m) { return static_cast<std::size_t>(std::llround(m * 1024.0 * 1024.0)); }
 
-  // gradient_as_bucket_view: the gradients that are adjacent in memory, walked from the highest
-  // address down (reverse parameter order for one flat buffer in parameter order: the order
-  // backward finishes them), form the buckets; a bucket closes at the cap (the first of each
-  // dtype at first_bucket_cap_mb), at a gap and where the dtype changes. A bucket is then one
-  // range of memory, [its lowest gradient, + elements). Empty gradients join the last bucket.
+  // gradient_as_bucket_view: the buckets follow the gradients' memory (core/bucket_views.hpp).
   template <class Set>
   void plan_views(Set& s) {
     auto const& grads = s.grads[0];
-    std::size_t const n = grads.size();
     detail::require(s.opts.bucket_cap_mb > 0 && s.opts.first_bucket_cap_mb > 0,
                     "DDP: expected bucket_cap_mb and first_bucket_cap_mb > 0, found " +
                         std::to_string(s.opts.bucket_cap_mb) + " and " + std::to_string(s.opts.first_bucket_cap_mb));
-    counts_.assign(n, 0);
-    std::vector<std::size_t> order, empty;
-    for (std::size_t i = 0; i < n; ++i) {
-      counts_[i] = grads[i].size();
-      (grads[i].size() == 0 ? empty : order).push_back(i);
-    }
-    auto const addr = [&](std::size_t i) { return reinterpret_cast<std::uintptr_t>(grads[i].data()); };
-    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return addr(a) > addr(b); });
-    buckets_.clear();
-    base_slot_.clear();
-    std::vector<dtype> closed_first;  // dtypes whose first bucket is closed
-    bucket_spec cur;
-    std::uintptr_t low = 0;  // start of the gradient walked last: the lowest of cur, if any
-    bool walked = false;
-    plan_error_.clear();
-    auto const close = [&] {
-      if (cur.params.empty()) return;
-      for (std::size_t k = 0; k < cur.params.size(); ++k)
-        cur.offsets.push_back((addr(cur.params[k]) - low) / size_of(cur.dtype));
-      if (std::find(closed_first.begin(), closed_first.end(), cur.dtype) == closed_first.end())
-        closed_first.push_back(cur.dtype);
-      base_slot_.push_back(cur.params.size() - 1);
-      buckets_.push_back(std::move(cur));
-      cur = bucket_spec{};
-    };
-    std::size_t last = 0;
-    for (std::size_t i : order) {
-      std::uintptr_t const end = addr(i) + grads[i].size_bytes();
-      if (walked && end > low && plan_error_.empty()) {  // reported on every rank by verify_plan
-        plan_error_ = "DDP with gradient_as_bucket_view on rank " + std::to_string(s.rank()) + ": gradients " +
-                      std::to_string(i) + " and " + std::to_string(last) +
-                      " overlap in memory; expected every gradient to have its own storage";
-      }
-      if (!cur.params.empty() && (end != low || grads[i].dtype() != cur.dtype)) close();
-      walked = true;
-      last = i;
-      if (cur.params.empty()) cur.dtype = grads[i].dtype();
-      cur.params.push_back(i);
-      cur.elements += grads[i].size();
-      low = addr(i);
-      bool const first = std::find(closed_first.begin(), closed_first.end(), cur.dtype) == closed_first.end();
-      if (cur.elements * size_of(cur.dtype) >= mib(first ? s.opts.first_bucket_cap_mb : s.opts.bucket_cap_mb))
-        close();
-    }
-    close();
-    for (std::size_t i : empty) {  // no memory: any bucket will do; the last, or one of their own
-      if (buckets_.empty()) {
-        buckets_.push_back(bucket_spec{grads[i].dtype(), {}, {}, 0});
-        base_slot_.push_back(0);
-      }
-      buckets_.back().params.push_back(i);
-      buckets_.back().offsets.push_back(0);
-    }
+    counts_.assign(grads.size(), 0);
+    for (std::size_t i = 0; i < grads.size(); ++i) counts_[i] = grads[i].size();
+    auto plan = detail::plan_bucket_views(grads, mib(s.opts.first_bucket_cap_mb), mib(s.opts.bucket_cap_mb), s.rank());
+    buckets_ = std::move(plan.buckets);
+    base_slot_ = std::move(plan.base_slot);
+    plan_error_ = std::move(plan.error);  // reported on every rank by verify_plan
     index_buckets();
     storage_.clear();
     accum_.clear();
@@ -275,26 +224,9 @@ class bucketed_reduce {
     return tensor_ref(lowest.data(), spec.elements, spec.dtype, lowest.device());
   }
 
-  // gradient_as_bucket_view: every step, the gradients must still lie where the plan (agreed by
-  // every rank) says, relative to each other; the model may not have moved them.
   template <class Set>
   void check_views(Set& s) const {
-    for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      auto const& spec = buckets_[b];
-      if (spec.elements == 0) continue;
-      auto const* base = static_cast<std::byte const*>(bucket_ref(s, b).data());
-      for (std::size_t k = 0; k < spec.params.size(); ++k) {
-        tensor_ref const g = s.grads[0][spec.params[k]];
-        if (g.size() == 0 || g.data() == base + spec.offsets[k] * size_of(spec.dtype)) continue;
-        throw invalid_argument("dparallel: DDP with gradient_as_bucket_view on rank " + std::to_string(s.rank()) +
-                               ": gradient " + std::to_string(spec.params[k]) +
-                               " is no longer where it was, relative to gradient " +
-                               std::to_string(spec.params[base_slot_[b]]) +
-                               ", when the buckets were planned; expected the gradients to keep their storage "
-                               "(the buckets are views of it): do not reallocate them, or leave "
-                               "gradient_as_bucket_view off");
-      }
-    }
+    detail::check_bucket_views(s.grads[0], buckets_, base_slot_, s.rank());
   }
 
   // Every rank must have made the same plan (the same collectives follow from it): compare a
