@@ -121,7 +121,7 @@ class shm_group {
     seg_->slot(rank_).calls[seq % 2] = shm_call_record{seq,
                                                        c.count,
                                                        c.total,
-                                                       where == 0 ? 0 : where + 1,
+                                                       where,
                                                        c.root,
                                                        static_cast<std::uint8_t>(c.kind),
                                                        static_cast<std::uint8_t>(c.type),
@@ -132,11 +132,9 @@ class shm_group {
   /// After the first barrier of `seq`: rank j's buffer when it published one in its group memory
   /// (of `bytes` bytes, checked to lie in j's region), else null.
   [[nodiscard]] std::byte* buffer_of(int j, std::uint64_t seq, std::size_t bytes) const noexcept {
-    std::uint64_t const w = seg_->slot(j).calls[seq % 2].where;
-    if (w == 0) return nullptr;
+    auto const at = static_cast<std::size_t>(seg_->slot(j).calls[seq % 2].where);
     auto const& L = seg_->layout();
-    std::size_t const at = static_cast<std::size_t>(w - 1);
-    if (at < L.arena_at(j) || at + bytes > L.arena_at(j + 1)) return nullptr;
+    if (at == 0 || at < L.arena_at(j) || at + bytes > L.arena_at(j + 1)) return nullptr;
     return seg_->at(at);
   }
 

@@ -68,7 +68,7 @@ struct shm_call_record {
   std::uint64_t seq;
   std::uint64_t count;
   std::uint64_t total;
-  std::uint64_t where;  // 1 + the offset of the rank's buffer in its arena region (direct); 0: none
+  std::uint64_t where;  // offset of the rank's buffer in its group memory (never 0: past the header); 0: none
   std::int32_t root;
   std::uint8_t kind;
   std::uint8_t type;
