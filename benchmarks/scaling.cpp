@@ -67,7 +67,8 @@ char const* const usage =
     "  --modes    single, dp, ddp, ddp_view (ddp with gradient_as_bucket_view), zero (ZeRO-1 over the ddp\n"
     "             ranks), whole, torch; single, dp, ddp, ddp_view and zero may end in @N: passes of N samples; apart (each of --devices threads trains its own model\n"
     "             on its share of each batch, nothing exchanged) and lockstep (the same, meeting at a barrier\n"
-    "             each step): the machine's capacity for the ranks' work, without the library\n"
+    "             each step): the machine's capacity for the ranks' work, without the library;\n"
+    "             scaling_mpi: lockstep, ddp, ddp_view over the processes (default all three)\n"
     "  --batches  global batch sizes (default 128,512)\n"
     "  --devices  devices (dp) and thread ranks (ddp) (default 2)\n"
     "  --steps    timed steps per measurement, after --warmup untimed ones (default 200, 20)\n"
@@ -274,7 +275,12 @@ int main(int argc, char** argv) {
   c.steps = static_cast<std::size_t>(a.num("steps", 200));
   c.warmup = static_cast<std::size_t>(a.num("warmup", 20));
   int const reps = static_cast<int>(a.num("reps", 3));
-  auto const modes = split(a.str("modes", "single,dp,ddp"));
+  std::string const modes_text = a.str("modes", "");
+#if DPARALLEL_BENCH_MPI
+  auto const modes = split(modes_text.empty() ? "lockstep,ddp,ddp_view" : modes_text);
+#else
+  auto const modes = split(modes_text.empty() ? "single,dp,ddp" : modes_text);
+#endif
   std::string const dir = a.str("data", fashion_mnist::default_dir);
   std::string const csv = a.str("csv", "");
   std::string const mpi_csv = a.str("mpi", "");
@@ -295,7 +301,14 @@ int main(int argc, char** argv) {
     // ddp: DDP as in the thread-rank rows; ddp_view: the model's gradients in the group's memory
     // (process_group::allocate) and options::gradient_as_bucket_view, so the all-reduces read and
     // write every rank's gradients in place. The two take turns, round by round.
-    std::vector<std::string> const kinds{"ddp", "ddp_view"};
+    // lockstep: each process trains a model of its own on its share, meeting at the group's
+    // barrier after each step (nothing reduced): what processes on this machine can give.
+    std::vector<std::string> const& kinds = modes;
+    for (auto const& kind : kinds)
+      if (kind != "lockstep" && kind != "ddp" && kind != "ddp_view") {
+        if (group.rank() == 0) std::fprintf(stderr, "scaling_mpi: unknown mode '%s'\n%s", kind.c_str(), usage);
+        return 2;
+      }
     for (double bd : batches) {
       auto const b = static_cast<std::size_t>(bd);
       std::size_t const per_rank = b / static_cast<std::size_t>(ranks);
@@ -303,27 +316,39 @@ int main(int argc, char** argv) {
       for (int k = 0; k < reps; ++k) {
         for (auto const& kind : kinds) {
           mlp model(c.seed);
+          auto const first = static_cast<std::size_t>(group.rank()) * per_rank;
+          // Times `step` over the timed steps, after the warm-up and a barrier.
+          auto const measure = [&](auto&& step) {
+            for (std::size_t j = 0; j < c.warmup; ++j) step(j);
+            group.barrier().wait();
+            double const cpu0 = process_cpu_seconds();
+            auto const t0 = bench::clock::now();
+            for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
+            group.barrier().wait();
+            double const wall = bench::seconds_since(t0);
+            std::vector<double> used{process_cpu_seconds() - cpu0};  // summed over the processes
+            group.all_reduce(dp::view(used)).wait();
+            auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
+            got[kind].push_back(samples / wall);
+            cpu[kind].push_back(used[0] / samples);
+          };
+          if (kind == "lockstep") {
+            sgd_optimizer opt(model);
+            measure([&](std::size_t j) {
+              model.forward_backward(w.part(j, b, first, per_rank));
+              opt.step(model, c.lr);
+              group.barrier().wait();
+            });
+            continue;
+          }
           bool const view = kind == "ddp_view";
           if (view) model.grads.place(group.allocate(mlp::grad_total * sizeof(float)));
           dp::distributed_data_parallel<mlp> ddp(model, group, {.gradient_as_bucket_view = view});
           sgd_optimizer opt(ddp);
-          auto const first = static_cast<std::size_t>(group.rank()) * per_rank;
-          auto step = [&](std::size_t j) {
+          measure([&](std::size_t j) {
             ddp.step(w.part(j, b, first, per_rank), [](mlp& m, batch shard) { return m.forward_backward(shard); });
             opt.step(ddp, c.lr);
-          };
-          for (std::size_t j = 0; j < c.warmup; ++j) step(j);
-          group.barrier().wait();
-          double const cpu0 = process_cpu_seconds();
-          auto const t0 = bench::clock::now();
-          for (std::size_t j = c.warmup; j < c.warmup + c.steps; ++j) step(j);
-          group.barrier().wait();
-          double const wall = bench::seconds_since(t0);
-          std::vector<double> used{process_cpu_seconds() - cpu0};  // summed over the processes
-          group.all_reduce(dp::view(used)).wait();
-          auto const samples = static_cast<double>(c.steps * per_rank * static_cast<std::size_t>(ranks));
-          got[kind].push_back(samples / wall);
-          cpu[kind].push_back(used[0] / samples);
+          });
         }
       }
       for (auto const& kind : kinds) {
@@ -449,7 +474,7 @@ int main(int argc, char** argv) {
                            bench::fmt("'s = %.3f (best rounds), %.3f (medians)", x.samples_per_s / z.samples_per_s,
                                       med(d) / med(m)));
     }
-    for (std::string const kind : {"ddp", "ddp_view"})
+    for (std::string const kind : {"lockstep", "ddp", "ddp_view"})
       if (auto it = mpi.find({b, kind}); it != mpi.end())
         add(kind + "_mpi", it->second.ranks, measurement{it->second.best, it->second.cpu}, it->second.median);
   }
