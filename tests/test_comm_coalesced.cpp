@@ -242,22 +242,42 @@ TEST_CASE("DDP with copying buckets leaves the gradients alone until the step fu
   std::vector<std::size_t> const sizes = {3, 5, 1, 8, 2, 4};
   auto const data = test::dataset<float>::make(8, model(sizes).dim, 9, false);
   std::vector<std::vector<std::vector<float>>> local(2), seen(2), after(2);
+  std::vector<std::uint64_t> done(2);
+  std::size_t buckets_issued = 0;
   dp::spawn(2, [&](dp::rank_context& rank) {
     auto const r = static_cast<std::size_t>(rank.rank());
     model m(sizes, 3);
-    dp::distributed_data_parallel<model> ddp(m, rank.group(), {.bucket_cap_mb = 16.0 / (1024 * 1024)});
+    dp::distributed_data_parallel<model> ddp(
+        m, rank.group(), {.bucket_cap_mb = 16.0 / (1024 * 1024), .first_bucket_cap_mb = 16.0 / (1024 * 1024)});
+    // A first step (the buckets are rebuilt after it, in the order backward marked them), then
+    // the one observed.
+    ddp.step(dp::slice_batch(data.all(), 4 * r, 4 * r + 4),
+             [](model& x, test::samples<float> s, dp::step_context& ctx) { x.forward_backward(s, &ctx); });
+    // The step's collectives: the broadcast of the model's buffer at its start, then one
+    // all-reduce per bucket (as rebuilt after the first step).
+    auto const ops = 1 + ddp.reducer().buckets().size();
+    if (r == 0) buckets_issued = ops - 1;
+    auto const before = rank.group().completed_ops();
     ddp.step(dp::slice_batch(data.all(), 4 * r, 4 * r + 4), [&](model& x, test::samples<float> s, dp::step_context& ctx) {
-      x.forward_backward(s, &ctx);  // marks every gradient ready as backward produces it
+      x.forward_backward(s, &ctx);  // marks every gradient ready: every bucket is issued
       local[r] = x.g;
-      std::this_thread::sleep_for(50ms);  // time for the buckets' all-reduces to finish meanwhile
-      seen[r] = x.g;                      // still this rank's own gradients
+      // Every bucket's all-reduce finishes while the step function still runs; then the gradients
+      // must still be this rank's own.
+      auto const deadline = std::chrono::steady_clock::now() + 10s;
+      while (rank.group().completed_ops() < before + ops && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(100us);
+      done[r] = rank.group().completed_ops() - before;
+      seen[r] = x.g;
     });
     after[r] = m.g;
   });
   for (std::size_t r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(done[r] == buckets_issued + 1);  // the all-reduces did run during the step function
     CHECK(seen[r] == local[r]);
     CHECK(after[r] == after[0]);
   }
+  CHECK(buckets_issued > 1);
   CHECK(local[0] != local[1]);
   CHECK(after[0] != local[0]);
 }
