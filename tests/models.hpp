@@ -2,10 +2,13 @@
 // Test models: ordinary user types adapted to dparallel, with a one-device reference.
 #include <dparallel/dparallel.hpp>
 
+#include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace test {
@@ -211,5 +214,106 @@ std::uint64_t param_hash(M& m) {
   }
   return h;
 }
+
+/// Linear regression whose parameters live in one flat buffer and whose gradients live in
+/// another, in parameter order (the layout gradient_as_bucket_view wants). With `gap`, one unused
+/// float separates consecutive gradients: no two gradients are adjacent. Backward marks each
+/// gradient ready as soon as it is computed, last parameter first.
+struct flat_model {
+  std::vector<std::size_t> sizes;
+  std::size_t dim = 0;
+  bool gap = false;
+  std::vector<float> w, g;
+  std::vector<float> stats{0};
+  std::shared_ptr<std::byte> placed;  // the gradients' memory when place() gave it, else null
+  float* gdata = nullptr;             // the gradients' storage: g, or placed
+
+  explicit flat_model(std::vector<std::size_t> s = {3, 5, 1, 8, 2, 4}, std::uint64_t seed = 1, bool with_gap = false)
+      : sizes(std::move(s)), gap(with_gap) {
+    for (std::size_t n : sizes) dim += n;
+    w.resize(dim);
+    rng r{seed};
+    for (auto& x : w) x = static_cast<float>(r.small_int(-2, 2)) + static_cast<float>(r.uniform()) * 0.25f;
+    relayout(with_gap);
+  }
+  flat_model(flat_model const& o)  // a copy keeps its gradients in memory of its own
+      : sizes(o.sizes), dim(o.dim), gap(o.gap), w(o.w), g(o.gdata, o.gdata + o.g.size()), stats(o.stats),
+        gdata(g.data()), overlapping(o.overlapping) {}
+  flat_model& operator=(flat_model const&) = delete;
+  /// Gives the gradients new storage, with or without gaps between them.
+  void relayout(bool with_gap) {
+    gap = with_gap;
+    std::vector<float> fresh(dim + (gap ? sizes.size() : 0), 0.0f);
+    g.swap(fresh);
+    gdata = g.data();
+    placed.reset();
+  }
+  /// Moves the gradients (values and layout) into `memory` (room for g.size() floats), e.g.
+  /// process_group::allocate's.
+  void place(std::shared_ptr<std::byte> memory) {
+    auto* const to = reinterpret_cast<float*>(memory.get());
+    std::copy(gdata, gdata + g.size(), to);
+    placed = std::move(memory);
+    gdata = to;
+  }
+  /// With `overlapping`, each gradient starts one element before the previous one ends (a bug a
+  /// model could have: two gradients sharing memory).
+  bool overlapping = false;
+  [[nodiscard]] std::size_t start(std::size_t p, bool grads) const {
+    std::size_t o = 0;
+    for (std::size_t k = 0; k < p; ++k) o += sizes[k] + (grads && gap ? 1 : 0) - (grads && overlapping ? 1 : 0);
+    return o;
+  }
+  std::vector<dparallel::tensor_view<float>> parameters() {
+    std::vector<dparallel::tensor_view<float>> out;
+    for (std::size_t p = 0; p < sizes.size(); ++p) out.emplace_back(w.data() + start(p, false), sizes[p]);
+    return out;
+  }
+  std::vector<dparallel::tensor_view<float>> gradients() {
+    std::vector<dparallel::tensor_view<float>> out;
+    for (std::size_t p = 0; p < sizes.size(); ++p) out.emplace_back(gdata + start(p, true), sizes[p]);
+    return out;
+  }
+  auto buffers() { return std::array{dparallel::view(stats)}; }
+
+  /// Gradient of the mean loss 0.5 (w.x - y)^2 over the shard; marks parameters ready in reverse
+  /// order when given a context, skipping `skip` (an unused parameter: its gradient is left as is).
+  float forward_backward(samples<float> const& s, dparallel::step_context* ctx = nullptr,
+                         std::size_t skip = static_cast<std::size_t>(-1)) {
+    std::size_t const n = s.x.rows();
+    std::vector<float> r(n);
+    float loss = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      float pred = 0;
+      for (std::size_t j = 0; j < dim; ++j) pred += w[j] * s.x[i * dim + j];
+      r[i] = pred - s.y[i];
+      loss += 0.5f * r[i] * r[i];
+    }
+    float const inv = 1.0f / static_cast<float>(n);
+    auto grads = gradients();
+    for (std::size_t p = sizes.size(); p-- > 0;) {
+      if (p == skip) continue;
+      for (std::size_t j = 0; j < sizes[p]; ++j) {
+        float acc = 0;
+        for (std::size_t i = 0; i < n; ++i) acc += r[i] * s.x[i * dim + start(p, false) + j];
+        grads[p][j] = acc * inv;
+      }
+      if (ctx != nullptr) ctx->grad_ready(p);
+    }
+    stats[0] += static_cast<float>(n);
+    return loss * inv;
+  }
+  void sgd(float lr) {
+    auto grads = gradients();
+    for (std::size_t p = 0; p < sizes.size(); ++p)
+      for (std::size_t j = 0; j < sizes[p]; ++j) w[start(p, false) + j] -= lr * grads[p][j];
+  }
+  /// Every gradient, in parameter order (without the gaps).
+  [[nodiscard]] std::vector<float> flat_grads() {
+    std::vector<float> out;
+    for (auto const& v : gradients()) out.insert(out.end(), v.begin(), v.end());
+    return out;
+  }
+};
 
 }  // namespace test
