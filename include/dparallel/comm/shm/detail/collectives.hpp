@@ -175,7 +175,6 @@ class shm_runner {
   bool small_reduce() {
     int const r = g_.rank();
     int const n = g_.size();
-    auto const keeps = [&](int j) { return call_.kind == comm_kind::all_reduce || j == call_.root; };
     auto const slot = [&](int j) { return small_slot(j); };
     find_peers();
     auto const in_group = [](std::byte* p) { return p != nullptr; };
@@ -267,28 +266,37 @@ class shm_runner {
       for_each_gap(len, [&](std::size_t a, std::size_t b) { copy(chunk_slot(r) + a * esz_, mine + a * esz_, (b - a) * esz_); });
     if (!met && !meet()) return false;
     if (lo == 0 && !met) find_peers();
-    auto const keeps = [&](int j) { return call_.kind == comm_kind::all_reduce || j == call_.root; };
-    for_each_stripe(len, n, r, esz_, [&](std::size_t a, std::size_t b) {
-      bool copied_out = false;
-      dsts_.clear();
-      for (int j = 0; j < n; ++j) {
-        if (!keeps(j)) continue;
-        std::byte* const p = peers_[static_cast<std::size_t>(j)];
-        if (j == r) dsts_.push_back(mine + a * esz_);
-        else if (p != nullptr) dsts_.push_back(p + (lo + a) * esz_);
-        if (p == nullptr) copied_out = true;
-      }
-      if (copied_out) dsts_.push_back(result() + a * esz_);
-      for (int j = 0; j < n; ++j) {
-        std::byte* const p = peers_[static_cast<std::size_t>(j)];
-        srcs_[static_cast<std::size_t>(j)] = (j == r ? mine : p != nullptr ? p + lo * esz_ : chunk_slot(j)) + a * esz_;
-      }
-      reduce_any(call_.type, srcs_, dsts_, b - a, call_.op, n);
-    });
+    for_each_stripe(len, n, r, esz_, [&](std::size_t a, std::size_t b) { sum_run(lo, a, b - a, mine + a * esz_); });
     if (!meet()) return false;
     if (keeps(r) && direct_ == 0)
       for_each_gap(len, [&](std::size_t a, std::size_t b) { copy(mine + a * esz_, result() + a * esz_, (b - a) * esz_); });
     return true;
+  }
+
+  [[nodiscard]] bool keeps(int j) const noexcept { return call_.kind == comm_kind::all_reduce || j == call_.root; }
+
+  // Elements [a, a + m) of the chunk at `lo`, summed over every rank's copy (this rank's at `own`;
+  // a peer's in its group memory where it lies, else in its chunk slot) into the buffers that
+  // keep the result: this rank's at `own`, the peers' in group memory, and the result area when
+  // some rank that keeps it copies its results out from there.
+  void sum_run(std::size_t lo, std::size_t a, std::size_t m, std::byte* own) {
+    int const r = g_.rank();
+    int const n = g_.size();
+    bool copied_out = false;
+    dsts_.clear();
+    for (int j = 0; j < n; ++j) {
+      if (!keeps(j)) continue;
+      std::byte* const p = peers_[static_cast<std::size_t>(j)];
+      if (j == r) dsts_.push_back(own);
+      else if (p != nullptr) dsts_.push_back(p + (lo + a) * esz_);
+      if (p == nullptr) copied_out = true;
+    }
+    if (copied_out) dsts_.push_back(result() + a * esz_);
+    for (int j = 0; j < n; ++j) {
+      std::byte* const p = peers_[static_cast<std::size_t>(j)];
+      srcs_[static_cast<std::size_t>(j)] = j == r ? own : (p != nullptr ? p + lo * esz_ : chunk_slot(j)) + a * esz_;
+    }
+    reduce_any(call_.type, srcs_, dsts_, m, call_.op, n);
   }
 
   // f(a, b) for each run [a, b) of elements [0, len) of a chunk that other ranks reduce (between
@@ -392,16 +400,7 @@ class shm_runner {
         while (a < b) {
           auto const [p, run] = own.locate(lo + a);
           std::size_t const m = std::min(run, b - a);
-          dsts_.clear();
-          dsts_.push_back(result() + a * esz_);
-          dsts_.push_back(p);
-          for (int j = 0; j < n; ++j) {
-            std::byte* const peer = peers_[static_cast<std::size_t>(j)];
-            if (j != r && peer != nullptr) dsts_.push_back(peer + (lo + a) * esz_);
-            srcs_[static_cast<std::size_t>(j)] =
-                j == r ? static_cast<void const*>(p) : (peer != nullptr ? peer + lo * esz_ : chunk_slot(j)) + a * esz_;
-          }
-          reduce_any(call_.type, srcs_, dsts_, m, call_.op, n);
+          sum_run(lo, a, m, reinterpret_cast<std::byte*>(p));
           a += m;
         }
       });
