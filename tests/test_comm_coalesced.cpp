@@ -258,7 +258,8 @@ TEST_CASE("DDP with copying buckets leaves the gradients alone until the step fu
     auto const ops = 1 + ddp.reducer().buckets().size();
     if (r == 0) buckets_issued = ops - 1;
     auto const before = rank.group().completed_ops();
-    ddp.step(dp::slice_batch(data.all(), 4 * r, 4 * r + 4), [&](model& x, test::samples<float> s, dp::step_context& ctx) {
+    auto const shard = dp::slice_batch(data.all(), 4 * r, 4 * r + 4);
+    ddp.step(shard, [&](model& x, test::samples<float> s, dp::step_context& ctx) {
       x.forward_backward(s, &ctx);  // marks every gradient ready: every bucket is issued
       local[r] = x.g;
       // Every bucket's all-reduce finishes while the step function still runs; then the gradients

@@ -17,9 +17,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -128,7 +128,9 @@ std::string ddp_hashes(dpl::process_group const& group, bool in_group) {
                                                  static_cast<std::uint64_t>(step + 5), false);
     auto const first = static_cast<std::size_t>(rank) * 4;
     ddp.step(dpl::slice_batch(data.all(), first, first + 4),
-             [](test::flat_model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
+             [](test::flat_model& r, test::samples<float> s, dpl::step_context& ctx) {
+               return r.forward_backward(s, &ctx);
+             });
     ddp.module().sgd(0.05f);
     out += std::to_string(test::param_hash(m)) + ",";
   }

@@ -263,13 +263,17 @@ class shm_runner {
     int const r = g_.rank();
     int const n = g_.size();
     if (direct_ == 0)
-      for_each_gap(len, [&](std::size_t a, std::size_t b) { copy(chunk_slot(r) + a * esz_, mine + a * esz_, (b - a) * esz_); });
+      for_each_gap(len, [&](std::size_t a, std::size_t b) {
+        copy(chunk_slot(r) + a * esz_, mine + a * esz_, (b - a) * esz_);
+      });
     if (!met && !meet()) return false;
     if (lo == 0 && !met) find_peers();
     for_each_stripe(len, n, r, esz_, [&](std::size_t a, std::size_t b) { sum_run(lo, a, b - a, mine + a * esz_); });
     if (!meet()) return false;
     if (keeps(r) && direct_ == 0)
-      for_each_gap(len, [&](std::size_t a, std::size_t b) { copy(mine + a * esz_, result() + a * esz_, (b - a) * esz_); });
+      for_each_gap(len, [&](std::size_t a, std::size_t b) {
+        copy(mine + a * esz_, result() + a * esz_, (b - a) * esz_);
+      });
     return true;
   }
 
@@ -393,7 +397,9 @@ class shm_runner {
     coalesced_cursor in(list_, esz_), own(list_, esz_), out(list_, esz_);
     for (std::size_t lo = 0; lo < call_.count; lo += step) {
       std::size_t const len = std::min(step, call_.count - lo);
-      for_each_gap(len, [&](std::size_t a, std::size_t b) { move_list(in, lo + a, b - a, chunk_slot(r) + a * esz_, true); });
+      for_each_gap(len, [&](std::size_t a, std::size_t b) {
+        move_list(in, lo + a, b - a, chunk_slot(r) + a * esz_, true);
+      });
       if (!meet()) return false;
       if (lo == 0) find_peers();
       for_each_stripe(len, n, r, esz_, [&](std::size_t a, std::size_t b) {
@@ -405,7 +411,9 @@ class shm_runner {
         }
       });
       if (!meet()) return false;
-      for_each_gap(len, [&](std::size_t a, std::size_t b) { move_list(out, lo + a, b - a, result() + a * esz_, false); });
+      for_each_gap(len, [&](std::size_t a, std::size_t b) {
+        move_list(out, lo + a, b - a, result() + a * esz_, false);
+      });
     }
     return checked_ || meet();
   }
