@@ -184,12 +184,7 @@ class shm_runner {
     }
     if (std::all_of(peers_.begin(), peers_.end(), in_group)) {
       auto const [s0, s1] = rank_slice(call_.count, n, r);
-      if (s1 > s0) {
-        dsts_.clear();
-        for (int j = 0; j < n; ++j)
-          if (keeps(j)) dsts_.push_back(peers_[static_cast<std::size_t>(j)] + s0 * esz_);
-        reduce_from([&](int j) { return peers_[static_cast<std::size_t>(j)]; }, s0 * esz_, dsts_, s1 - s0);
-      }
+      if (s1 > s0) sum_run(0, s0, s1 - s0, A_ + s0 * esz_);
       return meet();
     }
     if (keeps(r)) {
