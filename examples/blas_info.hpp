@@ -20,6 +20,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 namespace blas_info {
 
@@ -49,6 +50,17 @@ inline bool avx2_class(std::string const& kernel) {
 }
 }  // namespace detail
 
+/// Fills in what follows from the kernel and the CPU's features (`suggested`, `generic`): a CPU
+/// with AVX-512 fits SkylakeX, one with AVX2 Haswell (Zen on AMD's); a kernel below AVX2 on a CPU
+/// with AVX2 is generic. The kernel's name is compared without case.
+inline report classify(report r) {
+  r.suggested.clear();
+  if (r.avx512) r.suggested = "SkylakeX";
+  else if (r.avx2) r.suggested = r.amd ? "Zen" : "Haswell";
+  r.generic = r.avx2 && !detail::avx2_class(r.kernel);
+  return r;
+}
+
 /// Reads the kernel OpenBLAS chose and the CPU's features.
 inline report detect() {
   report r;
@@ -66,10 +78,7 @@ inline report detect() {
   r.amd = __builtin_cpu_is("amd");
 #endif
   if (char const* env = std::getenv("OPENBLAS_CORETYPE")) r.forced = env;
-  if (r.avx512) r.suggested = "SkylakeX";
-  else if (r.avx2) r.suggested = r.amd ? "Zen" : "Haswell";
-  r.generic = r.avx2 && !detail::avx2_class(r.kernel);
-  return r;
+  return classify(std::move(r));
 }
 
 /// One line for a run's summary: the kernel, the CPU's class, whether the environment forced it.

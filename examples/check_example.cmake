@@ -10,6 +10,7 @@
 #  - param_sum and param_l2 of the trained model within a relative 10^-REL_TOL_DIGITS, and with
 #    -DTRAINED_BITWISE=ON bitwise equal as well (the host runs: the last, partial batch of the
 #    epoch is cut into the same shards too).
+# Optional -DBLAS_FIELDS=ON checks the summaries' OpenBLAS fields (below).
 # Optional -DEARLY_BITWISE=OFF skips the bitwise check of the early parameters, which are then
 # compared within 10^-REL_TOL_DIGITS only: for --backend cuda runs, whose GPU model sums each
 # shard's gradient in cuBLAS's order rather than in the host model's blocks (scripts/gpu-check).
@@ -214,6 +215,24 @@ foreach(key IN LISTS close_keys)
          "${other} no longer trains the same model as one device")
   endif()
 endforeach()
+
+# With -DBLAS_FIELDS=ON (train_mlp's runs): each summary names the OpenBLAS kernel it ran on
+# (blas_kernel, a non-empty string), whether that is a generic one (blas_kernel_generic) and the
+# OPENBLAS_CORETYPE the environment set (blas_coretype_env, a string or null).
+if(BLAS_FIELDS)
+  foreach(file IN ITEMS "${SINGLE}" "${OTHER}")
+    file(READ "${file}" json)
+    string(JSON kernel_type ERROR_VARIABLE err1 TYPE "${json}" blas_kernel)
+    string(JSON kernel ERROR_VARIABLE err2 GET "${json}" blas_kernel)
+    string(JSON generic_type ERROR_VARIABLE err3 TYPE "${json}" blas_kernel_generic)
+    string(JSON env_type ERROR_VARIABLE err4 TYPE "${json}" blas_coretype_env)
+    if(err1 OR err2 OR err3 OR err4 OR NOT kernel_type STREQUAL "STRING" OR kernel STREQUAL "" OR
+       NOT generic_type STREQUAL "BOOLEAN" OR NOT env_type MATCHES "^(STRING|NULL)$")
+      fail("expected ${file} to name the OpenBLAS kernel (blas_kernel: a non-empty string, blas_kernel_generic: "
+           "true or false, blas_coretype_env: a string or null), found: ${json}")
+    endif()
+  endforeach()
+endif()
 
 # Throughput of dp relative to single, in percent (a report, never a pass/fail criterion).
 string(REGEX REPLACE "[.eE].*$" "" single_rate "${single_samples_per_s}")
