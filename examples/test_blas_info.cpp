@@ -80,7 +80,8 @@ TEST_CASE("blas_info: a value the environment set is reported and never overridd
 
 TEST_CASE("blas_info: the JSON fields escape quotes and backslashes and drop control characters") {
   auto const r = cpu("a\"b\\c\nd", false, false, false, "x\ty");
-  CHECK(blas_info::json_fields(r) == R"("blas_kernel":"a\"b\\cd","blas_kernel_generic":false,"blas_coretype_env":"xy")");
+  CHECK(blas_info::json_fields(r) ==
+        R"("blas_kernel":"a\"b\\cd","blas_kernel_generic":false,"blas_coretype_env":"xy")");
 }
 
 TEST_CASE("blas_info: detect reads this OpenBLAS and the environment") {
