@@ -298,9 +298,9 @@ int main(int argc, char** argv) {
     dp::process_group const& group = world;
     int const ranks = group.size();
     bench::table t({"ranks", "batch", "samples_per_s_best", "samples_per_s_median", "cpu_per_sample", "mode"});
-    // ddp: DDP as in the thread-rank rows; ddp_view: the model's gradients in the group's memory
-    // (process_group::allocate) and options::gradient_as_bucket_view, so the all-reduces read and
-    // write every rank's gradients in place. The two take turns, round by round.
+    // ddp: DDP as in the thread-rank rows; ddp_view: options::gradient_as_bucket_view, with which
+    // DDP moves the model's gradients into the group's memory (mlp::bind_gradients), so the
+    // all-reduces read and write every rank's gradients in place. The two take turns, round by round.
     // lockstep: each process trains a model of its own on its share, meeting at the group's
     // barrier after each step (nothing reduced): what processes on this machine can give.
     std::vector<std::string> const& kinds = modes;
@@ -342,7 +342,6 @@ int main(int argc, char** argv) {
             continue;
           }
           bool const view = kind == "ddp_view";
-          if (view) model.grads.place(group.allocate(mlp::grad_total * sizeof(float)));
           dp::distributed_data_parallel<mlp> ddp(model, group, {.gradient_as_bucket_view = view});
           sgd_optimizer opt(ddp);
           measure([&](std::size_t j) {

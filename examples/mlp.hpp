@@ -52,23 +52,23 @@ class splitmix64 {
 };
 
 /// Where a model keeps its gradients: memory of its own, or memory it was given to keep them in
-/// (place()), e.g. a process group's memory (process_group::allocate), which DDP over processes
-/// on one node all-reduces in place. A copy (a replica) always gets memory of its own: it must not
-/// write the gradients of the model it copies.
-class gradient_memory {
+/// (place()): DDP's (mlp::bind_gradients), or a process group's (process_group::allocate), which
+/// DDP over processes on one node all-reduces in place. A copy (a replica) always gets memory of
+/// its own: it must not write the gradients of the model it copies.
+class gradient_buffer {
  public:
-  explicit gradient_memory(std::size_t n) : size_(n), own_(n) {}
-  gradient_memory(gradient_memory const& o) : size_(o.size_), own_(o.data(), o.data() + o.size_) {}
-  gradient_memory& operator=(gradient_memory const& o) {
+  explicit gradient_buffer(std::size_t n) : size_(n), own_(n) {}
+  gradient_buffer(gradient_buffer const& o) : size_(o.size_), own_(o.data(), o.data() + o.size_) {}
+  gradient_buffer& operator=(gradient_buffer const& o) {
     if (this != &o) {
-      if (o.size_ != size_) throw std::invalid_argument("gradient_memory: assigning gradients of another size");
+      if (o.size_ != size_) throw std::invalid_argument("gradient_buffer: assigning gradients of another size");
       std::copy_n(o.data(), size_, data());
     }
     return *this;
   }
-  gradient_memory(gradient_memory&&) noexcept = default;
-  gradient_memory& operator=(gradient_memory&&) noexcept = default;
-  ~gradient_memory() = default;
+  gradient_buffer(gradient_buffer&&) noexcept = default;
+  gradient_buffer& operator=(gradient_buffer&&) noexcept = default;
+  ~gradient_buffer() = default;
 
   [[nodiscard]] float* data() noexcept { return placed_ ? reinterpret_cast<float*>(placed_.get()) : own_.data(); }
   [[nodiscard]] float const* data() const noexcept {
@@ -77,7 +77,7 @@ class gradient_memory {
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   /// Moves the gradients into `memory` (room for size() floats, suitably aligned), kept alive here.
   void place(std::shared_ptr<std::byte> memory) {
-    if (!memory) throw std::invalid_argument("gradient_memory::place: expected memory, found a null pointer");
+    if (!memory) throw std::invalid_argument("gradient_buffer::place: expected memory, found a null pointer");
     std::copy_n(data(), size_, reinterpret_cast<float*>(memory.get()));
     placed_ = std::move(memory);
     own_ = {};
@@ -98,7 +98,15 @@ struct mlp {
   std::vector<float> w1, b1, w2, b2;
   // The gradients of the mean loss of the last forward_backward, in one buffer: gw1, gb1, gw2, gb2
   // back to back (what DDP's options::gradient_as_bucket_view all-reduces in place).
-  gradient_memory grads;
+  gradient_buffer grads;
+  /// DDP with options::gradient_as_bucket_view lays the gradients out itself, in memory from the
+  /// process group (group memory on one node: all-reduced in place in every process): they come
+  /// back to back in parameter order, as `grads` holds them, so the block replaces the buffer.
+  void bind_gradients(dparallel::gradient_memory const& given) {
+    if (given.places.size() != 4 || given.places[0].data() != given.owner.get())
+      throw std::invalid_argument("mlp::bind_gradients: expected 4 places from the block's start");
+    grads.place(given.owner);
+  }
   /// Gradient k (0: w1, 1: b1, 2: w2, 3: b2) as a view of `grads`.
   [[nodiscard]] dparallel::tensor_view<float> gradient(std::size_t k) {
     return {grads.data() + grad_offset(k), grad_size(k)};

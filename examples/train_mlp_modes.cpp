@@ -97,7 +97,7 @@ updater update_for(config const& cfg, dparallel::parallel<mlp, Bundle>& w) {
 /// gradients are averaged by the samples each rank saw (docs/join.md).
 dparallel::options ddp_options(config const& cfg) {
   dparallel::options o;
-  o.gradient_as_bucket_view = cfg.bucket_view;  // the model's gradients are one buffer (mlp::grads)
+  o.gradient_as_bucket_view = cfg.bucket_view;  // DDP lays the gradients out (mlp::bind_gradients)
   if (cfg.uneven) {
     o.uneven_inputs = true;
     o.average = dparallel::average_mode::samples;
@@ -153,9 +153,8 @@ template <class Bundle>
 result run_ddp_mpi_as(config const& cfg, training_data const& data, start_point const& start) {
   dparallel::process_group const& group = *mpi_group;
   mlp model = start.model;
-  // --bucket-view: the gradients in the group's memory, which on one node the all-reduces read and
-  // write in place in every process (process_group::allocate; ordinary memory across nodes).
-  if (cfg.bucket_view) model.grads.place(group.allocate(mlp::grad_total * sizeof(float)));
+  // --bucket-view: DDP moves the gradients into the group's memory (mlp::bind_gradients), which on
+  // one node the all-reduces read and write in place in every process (ordinary memory across nodes).
   dparallel::parallel<mlp, Bundle> ddp(model, group, ddp_options(cfg));
   if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
   result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {

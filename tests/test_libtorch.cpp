@@ -16,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -215,6 +216,39 @@ TEST_CASE("libtorch: DDP over 2 thread ranks equals one device after 20 steps", 
   }
 }
 
+TEST_CASE("libtorch: with gradient_as_bucket_view DDP lays the gradients out in one block, values kept",
+          "[libtorch][ddp]") {
+  fixture const f;
+  std::vector<Net> nets{f.copy(), f.copy()};
+  std::vector<std::string> problems(2);
+  dpl::spawn(2, [&](dpl::rank_context& rank) {
+    auto const r = static_cast<std::size_t>(rank.rank());
+    Net& m = nets[r];
+    std::vector<torch::Tensor> before;
+    {
+      torch::NoGradGuard const no_grad;
+      for (auto& p : m->parameters()) {
+        p.mutable_grad() = torch::rand_like(p);
+        before.push_back(p.grad().clone());
+      }
+    }
+    dpl::options opts;
+    opts.gradient_as_bucket_view = true;
+    dpl::distributed_data_parallel<Net> ddp(m, rank, opts);
+    std::string& problem = problems[r];
+    if (!ddp.reducer().gradients_bound()) problem += "not bound; ";
+    auto const params = m->parameters();
+    auto const* next = static_cast<std::byte const*>(params[0].grad().data_ptr());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      torch::Tensor const g = params[i].grad();
+      if (g.data_ptr() != next) problem += "gradient " + std::to_string(i) + " not after the one before; ";
+      if (!torch::equal(g, before[i])) problem += "gradient " + std::to_string(i) + " lost its values; ";
+      next = static_cast<std::byte const*>(g.data_ptr()) + g.nbytes();
+    }
+  });
+  CHECK(problems == std::vector<std::string>{"", ""});
+}
+
 TEST_CASE("libtorch: autograd's hooks start DDP's buckets while backward is still running", "[libtorch][ddp][overlap]") {
   // Every parameter is its own bucket. Backward reaches the hidden activation's gradient after
   // fc2's parameters are accumulated (their accumulators run first); a hook there waits until
@@ -270,7 +304,9 @@ TEST_CASE("libtorch: DDP over MPI processes equals one device after 20 steps", "
   REQUIRE(f.x.size(0) % g.size() == 0);
   torch::Tensor const ref = one_device(f);
   std::int64_t const b = f.x.size(0) / g.size();
-  for (auto const& opts : {dpl::options{}, tiny_buckets()}) {
+  dpl::options view;
+  view.gradient_as_bucket_view = true;  // the gradients in the group's memory (on one node)
+  for (auto const& opts : {dpl::options{}, tiny_buckets(), view}) {
     Net m = f.copy();
     dpl::distributed_data_parallel<Net> ddp(m, g, opts);
     torch::optim::SGD opt(m->parameters(), lr);
@@ -279,7 +315,9 @@ TEST_CASE("libtorch: DDP over MPI processes equals one device after 20 steps", "
       ddp.step(mine, step_fn);
       opt.step();
     }
-    INFO("rank " << g.rank() << " of " << g.size() << ", " << opts.bucket_cap_mb << " MiB buckets");
+    INFO("rank " << g.rank() << " of " << g.size() << ", " << opts.bucket_cap_mb << " MiB buckets, bucket view "
+                  << opts.gradient_as_bucket_view);
+    CHECK(ddp.reducer().gradients_bound() == opts.gradient_as_bucket_view);
     CHECK(relative(flat(m), ref) <= 1e-5);
   }
 }

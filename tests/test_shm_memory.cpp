@@ -3,7 +3,9 @@
 // group's segment; all_reduce and reduce of buffers in it (every rank's, some ranks', none; a peer
 // passing a list) give the bits of thread ranks, small, one-pass and chunked; allocation past the region falls back to
 // ordinary memory; and DDP over processes whose gradients live in group memory, all-reduced in
-// place with gradient_as_bucket_view, trains bitwise the parameters of DDP over thread ranks.
+// place with gradient_as_bucket_view, trains bitwise the parameters of DDP over thread ranks, as
+// does DDP laying out a bind_gradients model's gradients there itself.
+#include "bind_models.hpp"
 #include "fork_ranks.hpp"
 #include "models.hpp"
 
@@ -112,14 +114,13 @@ bool in_segment_mapping(void const* p) {
 
 // --- DDP --------------------------------------------------------------------------------------
 
-/// Five DDP steps (gradient_as_bucket_view; buckets of about 8 KiB), the gradients in group
-/// memory where `in_group`; the parameter hash after each step.
-std::string ddp_hashes(dpl::process_group const& group, bool in_group) {
+/// Five DDP steps of `m` (gradient_as_bucket_view; buckets of about 8 KiB); the parameter hash
+/// after each step.
+template <class Model>
+std::string ddp_run(Model& m, dpl::process_group const& group) {
   int const rank = group.rank();
   int const world = group.size();
-  test::flat_model m({1200, 3, 2500, 801}, 11);
-  if (in_group) m.place(group.allocate(m.g.size() * sizeof(float)));
-  dpl::distributed_data_parallel<test::flat_model> ddp(
+  dpl::distributed_data_parallel<Model> ddp(
       m, group, {.bucket_cap_mb = 8192.0 / (1024 * 1024), .first_bucket_cap_mb = 4096.0 / (1024 * 1024),
                  .gradient_as_bucket_view = true});
   std::string out;
@@ -128,14 +129,28 @@ std::string ddp_hashes(dpl::process_group const& group, bool in_group) {
                                                  static_cast<std::uint64_t>(step + 5), false);
     auto const first = static_cast<std::size_t>(rank) * 4;
     ddp.step(dpl::slice_batch(data.all(), first, first + 4),
-             [](test::flat_model& r, test::samples<float> s, dpl::step_context& ctx) {
-               return r.forward_backward(s, &ctx);
-             });
+             [](Model& r, test::samples<float> s, dpl::step_context& ctx) { return r.forward_backward(s, &ctx); });
     ddp.module().sgd(0.05f);
     out += std::to_string(test::param_hash(m)) + ",";
   }
   if (!std::all_of(m.w.begin(), m.w.end(), [](float x) { return std::isfinite(x); })) out += "not finite";
   return out;
+}
+
+/// ddp_run of the flat model, its gradients in group memory where `in_group`.
+std::string ddp_hashes(dpl::process_group const& group, bool in_group) {
+  test::flat_model m({1200, 3, 2500, 801}, 11);
+  if (in_group) m.place(group.allocate(m.g.size() * sizeof(float)));
+  return ddp_run(m, group);
+}
+
+/// ddp_run of the same model with bind_gradients (its own gradients apart, with gaps): DDP lays
+/// them out; the result says whether they then lie in a shared segment.
+std::string ddp_bound_hashes(dpl::process_group const& group) {
+  test::bindable_model m({1200, 3, 2500, 801}, 11);
+  std::string const hashes = ddp_run(m, group);
+  return hashes + (m.binds == 1 && m.laid_out ? "laid out," : "not laid out,") +
+         (in_segment_mapping(m.gdata) ? "in the segment" : "elsewhere");
 }
 
 }  // namespace
@@ -250,6 +265,31 @@ TEST_CASE("shm group memory lies in the segment; past the region it is ordinary 
     bool const zeroed = std::all_of(m.get(), m.get() + 4096, [](std::byte x) { return x == std::byte{0}; });
     if (!zeroed) throw std::runtime_error("thread-rank group memory not zeroed");
   });
+}
+
+TEST_CASE("shm: DDP lays out a bind_gradients model's gradients in group memory, bitwise thread ranks",
+          "[shm][memory][ddp]") {
+  for (int n : {2, 3}) {
+    auto const ref = thread_reference(n, [](dpl::process_group const& g) { return ddp_hashes(g, false); });
+    std::vector<pid_t> pids;
+    auto const got = run_ranks(
+        n,
+        [&](int rank, dpl::shm::bootstrap_fn const& share) {
+          return ddp_bound_hashes(dpl::shm::make_group(rank, n, share, 60s, {.small_bytes = 256}));
+        },
+        &pids);
+    for (int r = 0; r < n; ++r) {
+      INFO(n << " processes, rank " << r);
+      CHECK(got[static_cast<std::size_t>(r)].exit_code == 0);
+      CHECK(got[static_cast<std::size_t>(r)].text == ref[0] + "laid out,in the segment");
+    }
+    require_no_segments_of(pids);
+  }
+  // Thread ranks: the block is ordinary memory (they reach each other's anyway), the same bits.
+  auto const threads = thread_reference(2, [](dpl::process_group const& g) { return ddp_bound_hashes(g); });
+  auto const ref = thread_reference(2, [](dpl::process_group const& g) { return ddp_hashes(g, false); });
+  CHECK(threads[0] == ref[0] + "laid out,elsewhere");
+  CHECK(threads[1] == ref[0] + "laid out,elsewhere");
 }
 
 TEST_CASE("shm: DDP with its gradients in group memory trains bitwise DDP over thread ranks", "[shm][memory][ddp]") {

@@ -13,6 +13,7 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/gradient_memory.hpp>
 #include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>

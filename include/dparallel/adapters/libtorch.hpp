@@ -38,6 +38,7 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/gradient_memory.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/core/tensor_view.hpp>
@@ -256,6 +257,22 @@ struct model_traits<M> {
     out.reserve(named.size());
     for (auto const& item : named) out.push_back(libtorch::view(item.value().grad(), item.key() + ".grad"));
     return out;
+  }
+  /// DDP with gradient_as_bucket_view lays the gradients out (core/gradient_memory.hpp, host
+  /// gradients only): each parameter's .grad becomes a plain tensor over its place in the block
+  /// from the process group (group memory on one node), which the tensor keeps alive.
+  static void bind_gradients(M& m, gradient_memory const& given) {
+    auto const named = libtorch::detail::module_of(m).named_parameters(true);
+    dparallel::detail::require(given.places.size() == named.size(),
+                               "dparallel: libtorch: bind_gradients: expected a place per parameter");
+    torch::NoGradGuard const no_grad;
+    std::size_t i = 0;
+    for (auto const& item : named) {
+      at::Tensor const& p = item.value();
+      std::shared_ptr<std::byte> keep = given.owner;
+      p.mutable_grad() = torch::from_blob(given.places[i++].data(), p.sizes(), [keep](void*) {},
+                                          torch::TensorOptions().dtype(p.scalar_type()).device(p.device()));
+    }
   }
   /// Views of named_buffers(), in order.
   static std::vector<tensor_ref> buffers(M& m) {

@@ -70,6 +70,9 @@ struct options {
   /// changes; the plan is not rebuilt from the ready order. Every rank must lay its gradients out
   /// the same way: the wrapper checks that every rank made the same buckets and raises an error
   /// on every rank otherwise. Results are bitwise those of the default (copying) mode.
+  /// A model with bind_gradients (core/gradient_memory.hpp) has its gradients laid out by DDP
+  /// instead, as PyTorch does: moved at construction into one block from the process group
+  /// (process_group::allocate, group memory on a shared-memory group), in parameter order.
   bool gradient_as_bucket_view = false;
 
   // --- Failure ---

@@ -7,6 +7,7 @@
 #include <dparallel/core/bucket_views.hpp>
 #include <dparallel/core/buckets.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/gradient_memory.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/policy/comm_hook.hpp>
@@ -83,6 +84,10 @@ class bucketed_reduce {
   void register_comm_hook(State state, Hook hook) {
     hook_.set(std::move(state), std::move(hook));
   }
+  /// Whether DDP laid out the model's gradients (gradient_as_bucket_view with a model that has
+  /// bind_gradients, core/gradient_memory.hpp): they then lie in memory from the process group.
+  [[nodiscard]] bool gradients_bound() const noexcept { return bound_; }
+
   /// Whether a communication hook is registered.
   [[nodiscard]] bool has_comm_hook() const noexcept { return hook_.active(); }
 
@@ -96,7 +101,11 @@ class bucketed_reduce {
                       "(dparallel::ddp), found them with a reduce-to-root or sharded one; leave them off there");
     view_ = s.opts.gradient_as_bucket_view;
     if (view_) {
+      // A model with bind_gradients moves its gradients into memory from the process group first
+      // (core/gradient_memory.hpp); the buckets then follow them where they lie.
+      std::string bind_error = detail::bind_replica_gradients(s, bound_);
       plan_views(s);
+      if (!bind_error.empty()) plan_error_ = std::move(bind_error);  // reported on every rank by verify_plan
     } else {
       plan(s, reverse_order(s.params[0].size()));
     }
@@ -483,6 +492,7 @@ class bucketed_reduce {
   bool used_hook_ = false;
   bool rebuilt_ = false;
   bool view_ = false;
+  bool bound_ = false;  // the model's gradients were laid out here (detail::bind_replica_gradients)
   std::string plan_error_;  // view mode: why this rank's gradients cannot be bucketed (raised after the check)
 };
 
