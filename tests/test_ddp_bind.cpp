@@ -100,8 +100,8 @@ std::vector<trace> train(int world, dpl::options opts) {
   return out;
 }
 
-/// A model of three F32 parameters whose gradients DDP lays out through model_traits (a type
-/// its user cannot edit).
+/// A model of three F32 parameters and an empty one whose gradients DDP lays out through
+/// model_traits (a type its user cannot edit); the empty gradient is a null view.
 struct sealed {
   std::array<float, 6> w{1, 2, 3, 4, 5, 6};
   std::array<float, 6> own{};
@@ -113,12 +113,13 @@ struct sealed {
 
 template <>
 struct dparallel::model_traits<sealed> {
-  static std::array<tensor_view<float>, 3> parameters(sealed& m) {
+  static std::array<tensor_view<float>, 4> parameters(sealed& m) {
     return {tensor_view<float>(m.w.data(), 1), tensor_view<float>(m.w.data() + 1, 2),
-            tensor_view<float>(m.w.data() + 3, 3)};
+            tensor_view<float>(m.w.data() + 3, 3), tensor_view<float>(nullptr, 0)};
   }
-  static std::array<tensor_view<float>, 3> gradients(sealed& m) {
-    return {tensor_view<float>(m.g, 1), tensor_view<float>(m.g + 1, 2), tensor_view<float>(m.g + 3, 3)};
+  static std::array<tensor_view<float>, 4> gradients(sealed& m) {
+    return {tensor_view<float>(m.g, 1), tensor_view<float>(m.g + 1, 2), tensor_view<float>(m.g + 3, 3),
+            tensor_view<float>(nullptr, 0)};
   }
   static void bind_gradients(sealed& m, gradient_memory const& given) {
     m.memory = given.owner;
