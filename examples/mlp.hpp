@@ -79,6 +79,11 @@ class gradient_buffer {
   void place(std::shared_ptr<std::byte> memory) {
     if (!memory) throw std::invalid_argument("gradient_buffer::place: expected memory, found a null pointer");
     std::copy_n(data(), size_, reinterpret_cast<float*>(memory.get()));
+    adopt(std::move(memory));
+  }
+  /// Keeps the gradients in `memory`, which already holds them (DDP's block: mlp::bind_gradients).
+  void adopt(std::shared_ptr<std::byte> memory) {
+    if (!memory) throw std::invalid_argument("gradient_buffer::adopt: expected memory, found a null pointer");
     placed_ = std::move(memory);
     own_ = {};
   }
@@ -105,7 +110,7 @@ struct mlp {
   void bind_gradients(dparallel::gradient_memory const& given) {
     if (given.places.size() != 4 || given.places[0].data() != given.owner.get())
       throw std::invalid_argument("mlp::bind_gradients: expected 4 places from the block's start");
-    grads.place(given.owner);
+    grads.adopt(given.owner);  // DDP copied the values there
   }
   /// Gradient k (0: w1, 1: b1, 2: w2, 3: b2) as a view of `grads`.
   [[nodiscard]] dparallel::tensor_view<float> gradient(std::size_t k) {
