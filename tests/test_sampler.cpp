@@ -1,5 +1,7 @@
 // distributed_sampler against a reference written from the definition of PyTorch's
-// torch.utils.data.DistributedSampler (__init__ and __iter__), on every small case.
+// torch.utils.data.DistributedSampler (__init__ and __iter__), on every small case; both shuffled
+// orders pinned (torch.randperm's against values PyTorch printed). tests/sampler/check_torch.py
+// compares with PyTorch's DistributedSampler itself.
 
 #include <dparallel/data/distributed_sampler.hpp>
 
@@ -28,9 +30,16 @@ index_list iota_list(std::size_t len) {
   return v;
 }
 
+using dparallel::shuffle_order;
+
 // The epoch's order, before padding: the permutation when shuffling, else range(len).
-index_list epoch_order(std::size_t len, bool shuffle, std::uint64_t seed, std::uint64_t epoch) {
-  return shuffle ? dparallel::detail::epoch_permutation(len, seed, epoch) : iota_list(len);
+index_list epoch_order(std::size_t len, bool shuffle, std::uint64_t seed, std::uint64_t epoch, shuffle_order order) {
+  return shuffle ? dparallel::detail::epoch_permutation(len, seed, epoch, order) : iota_list(len);
+}
+
+bool is_permutation_of_iota(index_list p) {
+  std::sort(p.begin(), p.end());
+  return p == iota_list(p.size());
 }
 
 // DistributedSampler.__init__: num_samples, with Python's float math.ceil.
@@ -51,11 +60,11 @@ struct reference_result {
 };
 
 reference_result reference_sampler(std::size_t len, int n, int rank, bool shuffle, std::uint64_t seed,
-                                   std::uint64_t epoch, bool drop_last) {
+                                   std::uint64_t epoch, bool drop_last, shuffle_order order) {
   reference_result out{};
   out.num_samples = reference_num_samples(len, n, drop_last);
   out.total_size = out.num_samples * static_cast<std::size_t>(n);
-  index_list indices = epoch_order(len, shuffle, seed, epoch);
+  index_list indices = epoch_order(len, shuffle, seed, epoch, order);
   if (!drop_last) {
     std::size_t const padding = out.total_size - indices.size();
     if (padding <= indices.size()) {
@@ -91,16 +100,16 @@ struct not_a_rank {
 
 }  // namespace
 
-TEST_CASE("epoch_permutation is a permutation, deterministic, and pinned across platforms", "[host][sampler]") {
-  using dparallel::detail::epoch_permutation;
+TEST_CASE("the splitmix64 order is a permutation, deterministic, and pinned across platforms", "[host][sampler]") {
+  auto const perm = [](std::size_t len, std::uint64_t seed, std::uint64_t epoch) {
+    return dparallel::detail::epoch_permutation(len, seed, epoch, shuffle_order::splitmix64);
+  };
   for (std::size_t len = 0; len <= 200; ++len) {
     for (std::uint64_t seed : {std::uint64_t{0}, std::uint64_t{12345}}) {
       for (std::uint64_t epoch = 0; epoch < 3; ++epoch) {
-        index_list const p = epoch_permutation(len, seed, epoch);
-        index_list sorted = p;
-        std::sort(sorted.begin(), sorted.end());
-        CHECK(sorted == iota_list(len));
-        CHECK(epoch_permutation(len, seed, epoch) == p);
+        index_list const p = perm(len, seed, epoch);
+        CHECK(is_permutation_of_iota(p));
+        CHECK(perm(len, seed, epoch) == p);
       }
     }
   }
@@ -113,11 +122,43 @@ TEST_CASE("epoch_permutation is a permutation, deterministic, and pinned across 
   CHECK(gen() == 16408922859458223821ULL);
   // The permutation is fully specified (Fisher-Yates, rejection-sampled bounds), so its values
   // are fixed on every platform; these were computed by an independent rendering of the spec.
-  CHECK(epoch_permutation(10, 0, 0) == index_list{6, 3, 2, 9, 8, 1, 4, 7, 0, 5});
-  CHECK(epoch_permutation(10, 42, 3) == index_list{3, 4, 7, 2, 0, 1, 9, 8, 5, 6});
+  CHECK(perm(10, 0, 0) == index_list{6, 3, 2, 9, 8, 1, 4, 7, 0, 5});
+  CHECK(perm(10, 42, 3) == index_list{3, 4, 7, 2, 0, 1, 9, 8, 5, 6});
   // seed + epoch, as in torch (g.manual_seed(seed + epoch)), modulo 2^64.
-  CHECK(epoch_permutation(20, 5, 7) == epoch_permutation(20, 7, 5));
-  CHECK(epoch_permutation(20, std::numeric_limits<std::uint64_t>::max(), 1) == epoch_permutation(20, 0, 0));
+  CHECK(perm(20, 5, 7) == perm(20, 7, 5));
+  CHECK(perm(20, std::numeric_limits<std::uint64_t>::max(), 1) == perm(20, 0, 0));
+}
+
+TEST_CASE("the torch order is torch.randperm's, pinned against PyTorch", "[host][sampler]") {
+  using dparallel::detail::torch_randperm;
+  auto const perm = [](std::size_t len, std::uint64_t seed, std::uint64_t epoch) {
+    return dparallel::detail::epoch_permutation(len, seed, epoch, shuffle_order::torch);
+  };
+  // Printed by PyTorch 1.13: g = torch.Generator(); g.manual_seed(s); torch.randperm(10, generator=g).
+  CHECK(torch_randperm(10, 0) == index_list{4, 1, 7, 5, 3, 9, 0, 8, 6, 2});
+  CHECK(torch_randperm(10, 45) == index_list{7, 6, 5, 3, 4, 9, 0, 8, 2, 1});
+  CHECK(perm(10, 42, 3) == torch_randperm(10, 45));  // manual_seed(seed + epoch)
+  // PyTorch seeds MT19937 with the seed's low 32 bits (2^32 + 5 gives 5's order, as in PyTorch).
+  CHECK(torch_randperm(10, (std::uint64_t{1} << 32) + 5) == torch_randperm(10, 5));
+  CHECK(perm(20, std::numeric_limits<std::uint64_t>::max(), 1) == perm(20, 0, 0));
+  // The wide rule (64-bit draws, inside-out), which PyTorch uses from 2^32 / 20 entries on, here
+  // switched on from length 0: values from an independent rendering of the rule over numpy's
+  // MT19937 with the same seeding.
+  CHECK(torch_randperm(10, 0, 0) == index_list{8, 2, 6, 3, 5, 1, 0, 9, 7, 4});
+  CHECK(torch_randperm(10, 45, 0) == index_list{5, 8, 0, 4, 2, 7, 6, 1, 3, 9});
+  CHECK(dparallel::detail::torch_randperm_wide_from == 214748364);
+  for (std::size_t len = 0; len <= 200; ++len) {
+    for (std::uint64_t seed : {std::uint64_t{0}, std::uint64_t{12345}}) {
+      INFO("len " << len << ", seed " << seed);
+      index_list const narrow = torch_randperm(len, seed);
+      index_list const wide = torch_randperm(len, seed, 0);
+      CHECK(is_permutation_of_iota(narrow));
+      CHECK(is_permutation_of_iota(wide));
+      CHECK(torch_randperm(len, seed) == narrow);
+      CHECK(torch_randperm(len, seed, len + 1) == narrow);  // the switch: below it the narrow rule
+      CHECK(torch_randperm(len, seed, len) == wide);        // from it on the wide one
+    }
+  }
 }
 
 TEST_CASE("distributed_sampler matches DistributedSampler for every small case", "[host][sampler]") {
@@ -127,41 +168,46 @@ TEST_CASE("distributed_sampler matches DistributedSampler for every small case",
         for (bool shuffle : {false, true}) {
           for (std::uint64_t seed : {std::uint64_t{0}, std::uint64_t{987654321}}) {
             for (std::uint64_t epoch : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{7}}) {
-              INFO("len " << len << ", num_replicas " << n << ", drop_last " << drop_last << ", shuffle "
-                          << shuffle << ", seed " << seed << ", epoch " << epoch);
-              dparallel::sampler_options const opt{.shuffle = shuffle, .seed = seed, .drop_last = drop_last};
-              std::size_t const expected_size = drop_last ? len / static_cast<std::size_t>(n)
-                                                          : (len + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
-              index_list together(expected_size * static_cast<std::size_t>(n));
-              index_list full;
-              for (int rank = 0; rank < n; ++rank) {
-                dparallel::distributed_sampler s(len, n, rank, opt);
-                s.set_epoch(epoch);
-                reference_result const ref = reference_sampler(len, n, rank, shuffle, seed, epoch, drop_last);
-                REQUIRE(ref.num_samples == expected_size);
-                CHECK(s.size() == expected_size);
-                CHECK(s.total_size() == ref.total_size);
-                CHECK(s.indices() == ref.mine);
-                CHECK(index_list(s.begin(), s.end()) == ref.mine);
-                CHECK(s.num_replicas() == n);
-                CHECK(s.rank() == rank);
-                CHECK(s.epoch() == epoch);
-                for (std::size_t k = 0; k < s.size(); ++k)
-                  together[static_cast<std::size_t>(rank) + k * static_cast<std::size_t>(n)] = s.indices()[k];
-                full = ref.full;
-              }
-              // The ranks' lists, interleaved, are exactly the padded (or truncated) list:
-              // order[i % len] for i < total_size (with drop_last total_size <= len).
-              index_list const order = epoch_order(len, shuffle, seed, epoch);
-              index_list expected_full;
-              for (std::size_t i = 0; i < together.size(); ++i) expected_full.push_back(order[i % len]);
-              CHECK(together == expected_full);
-              CHECK(together == full);
-              std::set<std::size_t> const distinct(together.begin(), together.end());
-              if (drop_last) {
-                CHECK(distinct.size() == together.size());  // nothing read twice
-              } else {
-                CHECK(distinct.size() == len);  // everything read at least once
+              for (shuffle_order order : {shuffle_order::torch, shuffle_order::splitmix64}) {
+                INFO("len " << len << ", num_replicas " << n << ", drop_last " << drop_last << ", shuffle " << shuffle
+                            << ", seed " << seed << ", epoch " << epoch << ", torch order "
+                            << (order == shuffle_order::torch));
+                dparallel::sampler_options const opt{
+                    .shuffle = shuffle, .seed = seed, .drop_last = drop_last, .order = order};
+                std::size_t const expected_size =
+                    drop_last ? len / static_cast<std::size_t>(n)
+                              : (len + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
+                index_list together(expected_size * static_cast<std::size_t>(n));
+                index_list full;
+                for (int rank = 0; rank < n; ++rank) {
+                  dparallel::distributed_sampler s(len, n, rank, opt);
+                  s.set_epoch(epoch);
+                  reference_result const ref = reference_sampler(len, n, rank, shuffle, seed, epoch, drop_last, order);
+                  REQUIRE(ref.num_samples == expected_size);
+                  CHECK(s.size() == expected_size);
+                  CHECK(s.total_size() == ref.total_size);
+                  CHECK(s.indices() == ref.mine);
+                  CHECK(index_list(s.begin(), s.end()) == ref.mine);
+                  CHECK(s.num_replicas() == n);
+                  CHECK(s.rank() == rank);
+                  CHECK(s.epoch() == epoch);
+                  for (std::size_t k = 0; k < s.size(); ++k)
+                    together[static_cast<std::size_t>(rank) + k * static_cast<std::size_t>(n)] = s.indices()[k];
+                  full = ref.full;
+                }
+                // The ranks' lists, interleaved, are exactly the padded (or truncated) list:
+                // order[i % len] for i < total_size (with drop_last total_size <= len).
+                index_list const epoch_list = epoch_order(len, shuffle, seed, epoch, order);
+                index_list expected_full;
+                for (std::size_t i = 0; i < together.size(); ++i) expected_full.push_back(epoch_list[i % len]);
+                CHECK(together == expected_full);
+                CHECK(together == full);
+                std::set<std::size_t> const distinct(together.begin(), together.end());
+                if (drop_last) {
+                  CHECK(distinct.size() == together.size());  // nothing read twice
+                } else {
+                  CHECK(distinct.size() == len);  // everything read at least once
+                }
               }
             }
           }
@@ -195,10 +241,13 @@ TEST_CASE("distributed_sampler: literal cases", "[host][sampler]") {
   // Empty dataset.
   CHECK(dparallel::distributed_sampler(0, 3, 1).size() == 0);
   CHECK(dparallel::distributed_sampler(0, 3, 1).begin() == dparallel::distributed_sampler(0, 3, 1).end());
-  // Shuffled, one rank: the whole epoch permutation.
+  // Shuffled, one rank: the whole epoch permutation, PyTorch's by default (manual_seed(42 + 3)).
   dparallel::distributed_sampler s(10, 1, 0, {.seed = 42});
   s.set_epoch(3);
-  CHECK(s.indices() == index_list{3, 4, 7, 2, 0, 1, 9, 8, 5, 6});
+  CHECK(s.indices() == index_list{7, 6, 5, 3, 4, 9, 0, 8, 2, 1});
+  dparallel::distributed_sampler own(10, 1, 0, {.seed = 42, .order = shuffle_order::splitmix64});
+  own.set_epoch(3);
+  CHECK(own.indices() == index_list{3, 4, 7, 2, 0, 1, 9, 8, 5, 6});
 }
 
 TEST_CASE("distributed_sampler: epochs, seeds and objects", "[host][sampler]") {
@@ -287,8 +336,8 @@ TEST_CASE("distributed_sampler from a rank context", "[host][sampler]") {
 }
 
 TEST_CASE("distributed_sampler rejects bad ranks and replica counts", "[host][sampler]") {
-  using dparallel::distributed_sampler;
   using Catch::Matchers::Contains;
+  using dparallel::distributed_sampler;
   CHECK_THROWS_AS(distributed_sampler(10, 0, 0), dparallel::invalid_argument);
   CHECK_THROWS_AS(distributed_sampler(10, -2, 0), dparallel::invalid_argument);
   CHECK_THROWS_AS(distributed_sampler(10, 3, -1), dparallel::invalid_argument);

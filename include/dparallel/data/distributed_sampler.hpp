@@ -11,12 +11,15 @@
 // Rank r takes every n-th entry starting at r: padded[r], padded[r + n], ...
 // (Python: indices[rank:total_size:num_replicas]).
 //
-// The one deliberate difference from PyTorch: the shuffled order. PyTorch draws it with
-// torch.randperm from a torch.Generator seeded with seed + epoch; this sampler draws it from its
-// own generator seeded with seed + epoch (see detail::epoch_permutation), so the permutation
-// differs from torch's, but it is identical on every rank, compiler, standard library and
-// platform, and everything after the permutation follows the rules above exactly.
-// seed + epoch is computed modulo 2^64.
+// The shuffled order is PyTorch's by default (shuffle_order::torch): the permutation that
+// torch.randperm(len, generator=g) returns after g.manual_seed(seed + epoch), so a C++ job reads
+// the samples of a PyTorch job with the same seed, rank by rank and epoch by epoch. PyTorch's CPU
+// generator is MT19937 seeded with the low 32 bits of the seed (std::mt19937 gives the same
+// stream), and randperm swaps entry i with entry i + (draw mod (len - i)) for i = 0..len-2. From
+// len = 214748364 on (2^32 / 20), PyTorch's source today draws 64 bits per entry instead (an
+// inside-out shuffle); this sampler follows it there, where PyTorch 1.13 still used the first rule.
+// shuffle_order::splitmix64 keeps dparallel's earlier order (an unbiased Fisher-Yates from
+// splitmix64; detail::splitmix_permutation). seed + epoch is computed modulo 2^64.
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/error.hpp>
@@ -24,17 +27,25 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
 
+/// Which permutation a shuffled epoch follows.
+enum class shuffle_order {
+  torch,       ///< torch.randperm's after manual_seed(seed + epoch): DistributedSampler's own order
+  splitmix64,  ///< dparallel's earlier order: Fisher-Yates from splitmix64(seed + epoch), without bias
+};
+
 /// Options of distributed_sampler; the defaults are DistributedSampler's.
 struct sampler_options {
-  bool shuffle = true;     ///< draw a new order every epoch (from seed + epoch)
-  std::uint64_t seed = 0;  ///< must be the same on every rank
-  bool drop_last = false;  ///< drop the tail instead of padding, so no sample is read twice
+  bool shuffle = true;                         ///< draw a new order every epoch (from seed + epoch)
+  std::uint64_t seed = 0;                      ///< must be the same on every rank
+  bool drop_last = false;                      ///< drop the tail instead of padding, so no sample is read twice
+  shuffle_order order = shuffle_order::torch;  ///< the permutation a shuffled epoch follows
 };
 
 /// Anything that knows its rank and the number of ranks, e.g. a rank_context of a process group.
@@ -75,18 +86,56 @@ constexpr std::uint64_t uniform_below(splitmix64& gen, std::uint64_t bound) noex
   }
 }
 
-/// The shuffled order of epoch `epoch`: a permutation of 0..len-1 by Fisher-Yates driven by
-/// splitmix64(seed + epoch): p = 0..len-1; for i = len-1 down to 1: swap(p[i], p[uniform_below(i+1)]).
-/// The same on every rank and platform; not the permutation torch.randperm would give.
-inline std::vector<std::size_t> epoch_permutation(std::size_t len, std::uint64_t seed, std::uint64_t epoch) {
+/// shuffle_order::splitmix64's order for seed + epoch = `seed`: p = 0..len-1; for i = len-1 down
+/// to 1: swap(p[i], p[uniform_below(i+1)]), drawing from splitmix64(seed).
+inline std::vector<std::size_t> splitmix_permutation(std::size_t len, std::uint64_t seed) {
   std::vector<std::size_t> p(len);
   for (std::size_t i = 0; i < len; ++i) p[i] = i;
-  splitmix64 gen(seed + epoch);
+  splitmix64 gen(seed);
   for (std::size_t i = len; i > 1; --i) {
     auto const j = static_cast<std::size_t>(uniform_below(gen, static_cast<std::uint64_t>(i)));
     std::swap(p[i - 1], p[j]);
   }
   return p;
+}
+
+/// Below this length torch.randperm draws 32 bits per entry, from it on 64 (PyTorch's
+/// std::numeric_limits<uint32_t>::max() / 20).
+inline constexpr std::size_t torch_randperm_wide_from = 0xFFFFFFFFu / 20;
+
+/// What torch.randperm(len, generator=g) returns on the CPU after g.manual_seed(seed), as indices.
+/// The generator is MT19937 seeded with seed's low 32 bits (std::mt19937 is the same engine, with
+/// the same seeding). Below torch_randperm_wide_from: p = 0..len-1, then for i = 0..len-2 swap
+/// p[i] with p[i + draw % (len - i)]. From it on: for i = 0..len-1, j = draw64 % (i + 1), p[i] =
+/// p[j], p[j] = i, where draw64 is two draws, the first the high half. (`wide_from` moves the
+/// switch, for tests.)
+inline std::vector<std::size_t> torch_randperm(std::size_t len, std::uint64_t seed,
+                                               std::size_t wide_from = torch_randperm_wide_from) {
+  std::mt19937 gen(static_cast<std::uint32_t>(seed & 0xFFFFFFFFu));
+  std::vector<std::size_t> p(len);
+  if (len < wide_from) {
+    for (std::size_t i = 0; i < len; ++i) p[i] = i;
+    for (std::size_t i = 0; i + 1 < len; ++i) {
+      std::size_t const z = static_cast<std::size_t>(gen()) % (len - i);
+      std::swap(p[i], p[i + z]);
+    }
+    return p;
+  }
+  for (std::size_t i = 0; i < len; ++i) {
+    std::uint64_t const hi = gen();
+    std::uint64_t const lo = gen();
+    auto const j = static_cast<std::size_t>(((hi << 32) | lo) % (static_cast<std::uint64_t>(i) + 1));
+    p[i] = p[j];
+    p[j] = i;
+  }
+  return p;
+}
+
+/// The shuffled order of epoch `epoch`: a permutation of 0..len-1 drawn from seed + epoch
+/// (modulo 2^64) as `order` says. The same on every rank, compiler and platform.
+inline std::vector<std::size_t> epoch_permutation(std::size_t len, std::uint64_t seed, std::uint64_t epoch,
+                                                  shuffle_order order) {
+  return order == shuffle_order::torch ? torch_randperm(len, seed + epoch) : splitmix_permutation(len, seed + epoch);
 }
 
 }  // namespace detail
@@ -173,7 +222,8 @@ class distributed_sampler {
     auto const n = static_cast<std::size_t>(num_replicas_);
     auto const r = static_cast<std::size_t>(rank_);
     if (options_.shuffle) {
-      std::vector<std::size_t> const order = detail::epoch_permutation(dataset_size_, options_.seed, epoch_);
+      std::vector<std::size_t> const order =
+          detail::epoch_permutation(dataset_size_, options_.seed, epoch_, options_.order);
       for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = order[(r + k * n) % dataset_size_];
     } else {
       for (std::size_t k = 0; k < num_samples_; ++k) indices_[k] = (r + k * n) % dataset_size_;
