@@ -168,6 +168,15 @@ TEST_CASE("launch: a batch plan covers the sampler replicas in order; DP's batch
       for (std::size_t i : all[j]) seen.insert(i);
     CHECK(seen.size() == (drop_last ? 21U : 23U));
   }
+  // The samplers' options pass through, the order among them.
+  for (auto order : {dpl::shuffle_order::torch, dpl::shuffle_order::splitmix64}) {
+    dpl::batch_plan plan(23, 1, 0, 1, {.global_batch = 23, .seed = 9, .order = order});
+    plan.set_epoch(2);
+    dpl::distributed_sampler s(23, 1, 0, {.seed = 9, .order = order});
+    s.set_epoch(2);
+    REQUIRE(plan.size() == 1);
+    CHECK(plan[0] == s.indices());
+  }
 }
 
 TEST_CASE("launch: misuse is reported with what to do", "[host][launch][diagnostics]") {

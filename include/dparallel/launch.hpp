@@ -99,8 +99,8 @@ class world {
   spawn_options spawn_;
 };
 
-/// Options of session::batches(): the sampler's (shuffle, seed, drop_last; the same on every
-/// participant) and the global batch, which the participants share equally.
+/// Options of session::batches(): the sampler's (shuffle, seed, drop_last, order; the same on
+/// every participant) and the global batch, which the participants share equally.
 struct batch_options {
   /// Samples per optimizer step over all participants; a multiple of the number of replicas.
   std::size_t global_batch = 0;
@@ -114,6 +114,8 @@ struct batch_options {
   /// one-device reference) may read the data as any number of replicas, e.g. as a DDP run of that
   /// many ranks would, so that both visit the same batches; a DDP session needs its world size.
   int replicas = 0;
+  /// The permutation a shuffled epoch follows (distributed_sampler's; default PyTorch's).
+  shuffle_order order = shuffle_order::torch;
 };
 
 /// The batches of one participant, epoch by epoch: the data is read by `replicas` sampler
@@ -133,9 +135,8 @@ class batch_plan {
       return "batch_plan: expected a global_batch that is a positive multiple of the " + std::to_string(replicas) +
              " replicas, found " + std::to_string(o.global_batch) + "; set batch_options::global_batch";
     });
-    for (int r = first; r < first + count; ++r)
-      samplers_.emplace_back(dataset_size, replicas, r,
-                             sampler_options{.shuffle = o.shuffle, .seed = o.seed, .drop_last = o.drop_last});
+    sampler_options const so{.shuffle = o.shuffle, .seed = o.seed, .drop_last = o.drop_last, .order = o.order};
+    for (int r = first; r < first + count; ++r) samplers_.emplace_back(dataset_size, replicas, r, so);
   }
 
   /// Selects the epoch (the same on every participant, before its first step).
