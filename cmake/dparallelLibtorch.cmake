@@ -18,7 +18,20 @@ if(NOT DPARALLEL_TORCH)
   return()
 endif()
 
+# PyTorch's CUDA configuration (Caffe2's public/cuda.cmake) changes the CUDA settings of the
+# directory that finds it: it appends its own -gencode list (TORCH_CUDA_ARCH_LIST, by default
+# architectures back to sm_50, which CUDA 13 no longer compiles) and flags to CMAKE_CUDA_FLAGS,
+# turns CMAKE_CUDA_ARCHITECTURES off, and sets CMAKE_CUDA_STANDARD_REQUIRED ON, with which CMake
+# 3.25 (it knows no nvcc option for C++20) fails to generate every target with cuda_std_20.
+# dparallel's CUDA targets keep their own settings (the CUDA add-on passes -std=c++20 itself).
+set(_dparallel_cuda_saved CMAKE_CUDA_FLAGS CMAKE_CUDA_ARCHITECTURES CMAKE_CUDA_STANDARD_REQUIRED)
+foreach(v IN LISTS _dparallel_cuda_saved)
+  set(_dparallel_saved_${v} "${${v}}")
+endforeach()
 find_package(Torch CONFIG QUIET)
+foreach(v IN LISTS _dparallel_cuda_saved)
+  set(${v} "${_dparallel_saved_${v}}")
+endforeach()
 if(NOT Torch_FOUND OR NOT TARGET torch)
   message(STATUS "dparallel: libtorch adapter skipped: find_package(Torch) found no libtorch (Debian: apt-get "
                  "install libtorch-dev; pip's torch: set Torch_DIR); dparallel::libtorch, its tests, "

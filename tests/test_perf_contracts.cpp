@@ -370,3 +370,62 @@ TEST_CASE("a backend that replaces copy_all and weighted_sum is called by DP's p
   CHECK(replacing_backend::copies == 2 * 2);
   CHECK(replacing_backend::sums == 2 * 10);
 }
+
+namespace {
+/// A host backend with begin_step (as cuda::backend has, to order its streams after the caller's
+/// work): it records, at each call, the calling thread and how many step functions had started.
+struct begin_step_backend : dpl::host::backend {
+  static inline std::atomic<int> started{0};
+  static inline std::vector<int> started_at_call;  // written on the calling thread only
+  static inline std::vector<std::thread::id> callers;
+  static void begin_step(stream_type&) {
+    started_at_call.push_back(started.load());
+    callers.push_back(std::this_thread::get_id());
+  }
+};
+/// One thread rank's log of begin_step calls (thread_local: each rank runs on its thread).
+struct per_rank_backend : dpl::host::backend {
+  static inline thread_local std::vector<int>* log = nullptr;
+  static void begin_step(stream_type&) { log->push_back(1); }
+};
+template <class B>
+concept has_begin_step = requires(typename B::stream_type& s) { B::begin_step(s); };
+static_assert(!has_begin_step<dpl::host::backend> && has_begin_step<begin_step_backend>);
+}  // namespace
+
+TEST_CASE("a backend's begin_step runs on the calling thread for every stream before each step's work",
+          "[host][dp][ddp][contract]") {
+  using model = test::chunked<float>;
+  SECTION("DataParallel over 3 devices") {
+    begin_step_backend::started = 0;
+    begin_step_backend::started_at_call.clear();
+    begin_step_backend::callers.clear();
+    model master({5, 3}, 1);
+    dpl::parallel<model, dpl::dp, begin_step_backend> dp(master, dpl::host::devices(3));
+    auto const data = test::dataset<float>::make(9, master.dim, 3, false);
+    for (int step = 0; step < 4; ++step)
+      dp.step(data.all(), [](model& m, test::samples<float> s) {
+        ++begin_step_backend::started;
+        return m.forward_backward(s);
+      });
+    CHECK(begin_step_backend::started_at_call == std::vector<int>{0, 0, 0, 3, 3, 3, 6, 6, 6, 9, 9, 9});
+    CHECK(begin_step_backend::callers == std::vector<std::thread::id>(12, std::this_thread::get_id()));
+  }
+  SECTION("DDP over 2 thread ranks: each rank's one stream, on the rank's thread") {
+    std::vector<std::vector<int>> calls(2);
+    std::mutex mu;
+    dpl::spawn(2, [&](dpl::rank_context& rank) {
+      std::vector<int> mine;
+      per_rank_backend::log = &mine;
+      model m({5, 3}, 1);
+      dpl::parallel<model, dpl::ddp, per_rank_backend> ddp(m, rank.group());
+      auto const data = test::dataset<float>::make(4, m.dim, 3, false);
+      for (int step = 0; step < 3; ++step)
+        ddp.step(rank_slice(data, rank.rank(), 2),
+                 [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+      std::lock_guard lock(mu);
+      calls[static_cast<std::size_t>(rank.rank())] = mine;
+    });
+    CHECK(calls == std::vector<std::vector<int>>(2, std::vector<int>(3, 1)));
+  }
+}

@@ -351,6 +351,10 @@ class parallel {
       step_scratch* scratch;
     } const fr{this, &batch, &step_fn, scratch};
     sync_guard guard{this};
+    // A backend whose streams do not follow the caller's own (cuda::backend: non-blocking CUDA
+    // streams) orders them after it first, before anything of the step is enqueued.
+    if constexpr (requires(typename Backend::stream_type& s) { Backend::begin_step(s); })
+      for (auto& s : rs_.streams) Backend::begin_step(*s);
     // The master's stream keeps its worker asleep: this thread runs its work in synchronize_streams()
     // below, where it would otherwise only wait (no hand-off, no wake-up on the critical path).
     if constexpr (requires { rs_.streams[0]->hold(); }) rs_.streams[0]->hold();

@@ -123,6 +123,7 @@ struct hook_state {
   std::vector<at::TensorImpl const*> hooked;                         // the parameters hooked
 #if defined(DPARALLEL_LIBTORCH_CUDA)
   std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+  cuda::detail::current_state shard_current{};  // dparallel's current stream of the bound shard
 #endif
 };
 
@@ -133,8 +134,26 @@ class ready_hook final : public torch::autograd::FunctionPostHook {
   ready_hook(std::weak_ptr<hook_state> s, std::size_t index) : state_(std::move(s)), index_(index) {}
   torch::autograd::variable_list operator()(torch::autograd::variable_list const& outputs,
                                             torch::autograd::variable_list const& /*inputs*/) override {
-    if (auto s = state_.lock())
-      if (step_context* c = s->ctx.load(std::memory_order_acquire)) c->grad_ready(index_);
+    if (auto s = state_.lock()) {
+      if (step_context* c = s->ctx.load(std::memory_order_acquire)) {
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+        // Autograd runs the backward of CUDA tensors on a thread of its own per GPU, not on the
+        // step's thread (the step's thread waits in backward() meanwhile). The reducer launches
+        // its copies and collectives on dparallel's current stream of the calling thread, so the
+        // shard's is made current here for the call (its kernels then follow the gradient's).
+        struct borrowed_current {
+          cuda::detail::current_state saved = cuda::detail::current();
+          explicit borrowed_current(cuda::detail::current_state const& shard) {
+            if (shard.set) cuda::detail::current() = shard;
+          }
+          borrowed_current(borrowed_current const&) = delete;
+          borrowed_current& operator=(borrowed_current const&) = delete;
+          ~borrowed_current() { cuda::detail::current() = saved; }
+        } const scope(s->shard_current);
+#endif
+        c->grad_ready(index_);
+      }
+    }
     return outputs;
   }
 
@@ -314,18 +333,22 @@ struct model_traits<M> {
     auto& mod = libtorch::detail::module_of(m);
     auto const s = libtorch::detail::hooks_of(mod);
     libtorch::detail::install_hooks(mod, s);
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+    // CUDA rule: the model's kernels must go to the stream dparallel orders NCCL and the
+    // reductions on; inside a step that is cuda::current_stream() of the device's logical stream.
+    // First, so that the zeroing below is on it too (on another stream it could land after
+    // backward's first accumulation: dparallel's streams are non-blocking).
+    if (ctx.device().kind == device_kind::cuda) {
+      s->stream_guard.emplace(c10::cuda::getStreamFromExternal(cuda::current_stream(),
+                                                               static_cast<c10::DeviceIndex>(ctx.device().index)));
+      s->shard_current = cuda::detail::current();
+    }
+#endif
     {
       torch::NoGradGuard const no_grad;
       for (auto& p : mod.parameters(true))
         if (p.grad().defined()) p.mutable_grad().zero_();
     }
-#if defined(DPARALLEL_LIBTORCH_CUDA)
-    // CUDA rule: the model's kernels must go to the stream dparallel orders NCCL and the
-    // reductions on; inside a step that is cuda::current_stream() of the device's logical stream.
-    if (ctx.device().kind == device_kind::cuda)
-      s->stream_guard.emplace(c10::cuda::getStreamFromExternal(cuda::current_stream(),
-                                                               static_cast<c10::DeviceIndex>(ctx.device().index)));
-#endif
     s->ctx.store(&ctx, std::memory_order_release);
   }
   /// After the step function: the hooks report to no step.
@@ -335,6 +358,7 @@ struct model_traits<M> {
       s->ctx.store(nullptr, std::memory_order_release);
 #if defined(DPARALLEL_LIBTORCH_CUDA)
       s->stream_guard.reset();
+      s->shard_current = {};
 #endif
     } catch (...) {  // NOLINT(bugprone-empty-catch): only allocation can fail here; the hooks then stay unbound
     }

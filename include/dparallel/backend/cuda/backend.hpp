@@ -152,6 +152,13 @@ struct backend {
     check_pointer(t, what);
   }
 
+  /// parallel<> calls it on the calling thread as each step begins, before any of the step's work
+  /// is enqueued on `s`: the step's GPU work then follows what the caller issued before step() on
+  /// the legacy default stream (an optimizer's update of the master's parameters, a batch made on
+  /// the GPU by libtorch or plain CUDA code). Work on the caller's other streams is the caller's to
+  /// order (synchronise them before step()).
+  static void begin_step(stream_type& s) { (void)s.wait_for_legacy_stream(); }
+
   /// Operations launched on the calling thread's current stream: the reducers call them from
   /// work running on a cuda::stream (as host::backend runs them on the stream's worker).
   struct immediate {

@@ -202,6 +202,21 @@ class stream {
     waits_.push_back(e);
   }
 
+  /// Later work on this stream waits, on the GPU, for the work issued so far to the legacy default
+  /// stream of its GPU (stream 0, where libtorch and plain CUDA code run unless told otherwise).
+  /// This stream is cudaStreamNonBlocking, so nothing else orders the two (CUDA Runtime API,
+  /// "stream synchronization behavior"). The event is recorded on the launch thread when this work
+  /// comes up; its wait holds on the GPU from then on, so the event goes back to the pool at once.
+  event wait_for_legacy_stream() {
+    return enqueue([this] {
+      cudaEvent_t const ev = events_->take();
+      cudaError_t const recorded = cudaEventRecord(ev, cudaStreamLegacy);
+      cudaError_t const waited = recorded == cudaSuccess ? cudaStreamWaitEvent(s_, ev, 0) : recorded;
+      events_->give_back(ev);
+      check(waited, recorded == cudaSuccess ? "cudaStreamWaitEvent" : "cudaEventRecord", dev_);
+    });
+  }
+
   /// An event that completes when all work enqueued so far has finished on the GPU.
   event record() {
     return enqueue([] {});
