@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace dpl = dparallel;
