@@ -34,10 +34,12 @@ namespace example {
 /// order (R = 1 is the plain shuffled order).
 class epoch_plan {
  public:
-  epoch_plan(std::size_t dataset_size, int replicas, std::size_t global_batch, std::uint64_t seed, int epoch)
+  epoch_plan(std::size_t dataset_size, int replicas, std::size_t global_batch, std::uint64_t seed, int epoch,
+             dparallel::shuffle_order order)
       : per_rank_(global_batch / static_cast<std::size_t>(replicas)) {
     for (int r = 0; r < replicas; ++r) {
-      dparallel::distributed_sampler sampler(dataset_size, replicas, r, {.shuffle = true, .seed = seed});
+      dparallel::distributed_sampler sampler(dataset_size, replicas, r,
+                                             {.shuffle = true, .seed = seed, .order = order});
       sampler.set_epoch(static_cast<std::uint64_t>(epoch));
       streams_.emplace_back(sampler.begin(), sampler.end());
     }
@@ -276,7 +278,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
   while (p.epoch < epochs && p.step < cfg.steps) {
     auto const begin = std::chrono::steady_clock::now();
     int const epoch = static_cast<int>(p.epoch);
-    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, p.seed, epoch);
+    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, p.seed, epoch, p.sampler.order);
     std::size_t const first = static_cast<std::size_t>(p.sampler.index) / per_rank;
     if (p.sampler.epoch != p.epoch || p.sampler.index % per_rank != 0 || first >= plan.batches())
       throw std::runtime_error("--resume: the checkpoint's sampler position (epoch " +
@@ -319,7 +321,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
       }
     }
     if (end_epoch) end_epoch();
-    if (j == last) p.sampler = {.epoch = ++p.epoch, .index = 0};
+    if (j == last) p.sampler = {.epoch = ++p.epoch, .index = 0, .order = p.sampler.order};
     seconds const took = std::chrono::steady_clock::now() - begin;
     total += took;
     seen += samples;

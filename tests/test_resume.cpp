@@ -106,7 +106,7 @@ void train_until(std::uint64_t until, dpl::checkpoint& ck, dpl::distributed_samp
 enum class mode { single, dp, ddp };
 
 /// What a resume may leave out, to show that the test notices.
-enum class omit { nothing, momentum, sampler_position };
+enum class omit { nothing, momentum, sampler_position, sampler_order };
 
 struct outcome {
   model rank0;                          ///< rank 0's (or the only) model at the end
@@ -116,8 +116,10 @@ struct outcome {
 
 /// One session: builds everything fresh (model, wrapper, optimizer, sampler, checkpoint),
 /// optionally loads `from`, trains until step `until`, optionally saves to `to` (rank 0 only).
+/// A fresh session shuffles in `order`; a resumed one in the checkpoint's (or, leaving out the
+/// order, in the default one).
 outcome session(mode md, int n, std::uint64_t until, std::optional<fs::path> from, std::optional<fs::path> to,
-                omit leave_out = omit::nothing) {
+                omit leave_out = omit::nothing, dpl::shuffle_order order = dpl::shuffle_order::torch) {
   std::size_t const batch = 4;  // per rank in DDP, global in single and DP
   outcome out{model(sizes), std::vector<std::uint64_t>(static_cast<std::size_t>(md == mode::ddp ? n : 1)), {}};
 
@@ -125,11 +127,15 @@ outcome session(mode md, int n, std::uint64_t until, std::optional<fs::path> fro
     sgd_momentum opt(m);
     if (leave_out != omit::momentum || !from) opt.register_with(ck);
     ck.progress().seed = seed;
+    ck.progress().sampler.order = order;
     if (from) {
       ck.load(*from, {.strict = leave_out != omit::momentum});
       if (leave_out == omit::sampler_position) ck.progress().sampler.index = 0;
     }
-    dpl::distributed_sampler sampler(n_samples, world, rank, {.shuffle = true, .seed = ck.progress().seed});
+    auto const resumed_order =
+        leave_out == omit::sampler_order ? dpl::sampler_options{}.order : ck.progress().sampler.order;
+    dpl::distributed_sampler sampler(n_samples, world, rank,
+                                     {.shuffle = true, .seed = ck.progress().seed, .order = resumed_order});
     train_until(until, ck, sampler, batch, opt, m, fb);
     if (to && rank == 0) ck.save(*to);
   };
@@ -214,6 +220,31 @@ TEST_CASE("a resume without the momentum or the sampler position is not exact", 
   CHECK_FALSE(test::same_bits(no_position.rank0, straight.rank0));
 }
 
+TEST_CASE("a checkpoint keeps the sampler's shuffle order, and a resume needs it", "[resume][checkpoint]") {
+  // A run shuffling in the other order (splitmix64) resumes exactly from the order its checkpoint
+  // records; a resume in the default order reads other samples from the same position.
+  auto const dir = scratch("order");
+  auto const other = dpl::shuffle_order::splitmix64;
+  for (mode md : {mode::single, mode::ddp}) {
+    int const n = md == mode::ddp ? 2 : 1;
+    std::uint64_t const total = md == mode::ddp ? 14 : 30, stop = md == mode::ddp ? 7 : 17;
+    INFO((md == mode::ddp ? "ddp over 2 ranks" : "single"));
+    auto straight = session(md, n, total, std::nullopt, std::nullopt, omit::nothing, other);
+    session(md, n, stop, std::nullopt, dir / "ckpt.safetensors", omit::nothing, other);
+    CHECK(dpl::safetensors_reader(dir / "ckpt.safetensors").metadata().at("sampler.order") == "splitmix64");
+    auto resumed = session(md, n, total, dir / "ckpt.safetensors", std::nullopt);  // fresh sessions: torch
+    CHECK(resumed.progress.sampler.order == other);
+    CHECK(resumed.progress == straight.progress);
+    CHECK(same_state(resumed.rank0, straight.rank0));
+    for (auto h : resumed.hashes) CHECK(h == straight.hashes[0]);
+    auto no_order = session(md, n, total, dir / "ckpt.safetensors", std::nullopt, omit::sampler_order);
+    CHECK_FALSE(test::same_bits(no_order.rank0, straight.rank0));
+    // The order makes the difference: the default order's own run is another run.
+    auto torch_run = session(md, n, total, std::nullopt, std::nullopt);
+    CHECK_FALSE(test::same_bits(torch_run.rank0, straight.rank0));
+  }
+}
+
 TEST_CASE("a checkpoint keeps the progress, the model and the registered tensors", "[resume][checkpoint]") {
   auto const dir = scratch("checkpoint");
   model m(sizes, 3);
@@ -221,8 +252,8 @@ TEST_CASE("a checkpoint keeps the progress, the model and the registered tensors
   std::vector<float> mom(5, 0.25f), adam_step(1, 3.0f);
   dpl::checkpoint ck(m);
   ck.add("momentum", dpl::view(mom)).add("adam.step", dpl::view(adam_step), std::vector<std::uint64_t>{});
-  ck.progress() = {.epoch = 4, .step = 18446744073709551615ull, .sampler = {4, 12}, .seed = 99,
-                   .extra = {{"lr", "0.125"}, {"run", "a/b"}}};
+  ck.progress() = {.epoch = 4, .step = 18446744073709551615ull, .sampler = {4, 12, dpl::shuffle_order::splitmix64},
+                   .seed = 99, .extra = {{"lr", "0.125"}, {"run", "a/b"}}};
   ck.save(dir / "c.safetensors");
 
   {  // A plain safetensors file: prefixed names, scalars in the metadata.
@@ -235,8 +266,8 @@ TEST_CASE("a checkpoint keeps the progress, the model and the registered tensors
     CHECK(file.find("optimizer.adam.step")->shape.empty());  // a scalar
     CHECK(file.metadata() == dpl::safetensors_metadata{{"dparallel.checkpoint", "1"}, {"epoch", "4"},
                                                        {"step", "18446744073709551615"}, {"sampler.epoch", "4"},
-                                                       {"sampler.index", "12"}, {"seed", "99"},
-                                                       {"user.lr", "0.125"}, {"user.run", "a/b"}});
+                                                       {"sampler.index", "12"}, {"sampler.order", "splitmix64"},
+                                                       {"seed", "99"}, {"user.lr", "0.125"}, {"user.run", "a/b"}});
   }
 
   model m2(sizes, 8);
@@ -274,6 +305,21 @@ TEST_CASE("a checkpoint keeps the progress, the model and the registered tensors
                         {{"dparallel.checkpoint", "1"}, {"epoch", "4"}, {"step", "-1"}, {"sampler.epoch", "4"},
                          {"sampler.index", "12"}, {"seed", "99"}});
   CHECK_THROWS_WITH(back.load(dir / "bad.safetensors"), Catch::Contains("'step' to be an unsigned decimal integer"));
+  dpl::save_safetensors(dir / "order.safetensors", tensors,
+                        {{"dparallel.checkpoint", "1"}, {"epoch", "4"}, {"step", "1"}, {"sampler.epoch", "4"},
+                         {"sampler.index", "12"}, {"sampler.order", "numpy"}, {"seed", "99"}});
+  CHECK_THROWS_WITH(back.load(dir / "order.safetensors"),
+                    Catch::Contains("'sampler.order' to be 'torch' or 'splitmix64', found 'numpy'"));
+  CHECK(back.progress() == ck.progress());
+  // A file from before the order was recorded: splitmix64, the only order of that time.
+  dpl::save_safetensors(dir / "old.safetensors", tensors,
+                        {{"dparallel.checkpoint", "1"}, {"epoch", "4"}, {"step", "1"}, {"sampler.epoch", "4"},
+                         {"sampler.index", "12"}, {"seed", "99"}});
+  back.progress().sampler.order = dpl::shuffle_order::torch;
+  back.load(dir / "old.safetensors");
+  CHECK(back.progress().sampler.order == dpl::shuffle_order::splitmix64);
+  CHECK(back.progress().step == 1);
+  back.load(dir / "c.safetensors");
   dpl::save_safetensors(dir / "v2.safetensors", tensors, {{"dparallel.checkpoint", "2"}});
   CHECK_THROWS_WITH(back.load(dir / "v2.safetensors"), Catch::Contains("of version '2'"));
   CHECK(back.progress() == ck.progress());

@@ -110,7 +110,7 @@ def main():
     ckpt = os.path.join(work, "checkpoint.safetensors")
     meta, names, got = tensors_of(ckpt)
     check(meta == {"dparallel.checkpoint": "1", "epoch": "3", "step": "17", "sampler.epoch": "3",
-                   "sampler.index": "40", "seed": "1234", "user.note": "\u00fcnicode \u2713"},
+                   "sampler.index": "40", "sampler.order": "torch", "seed": "1234", "user.note": "\u00fcnicode \u2713"},
           "%s: metadata %s" % (ckpt, meta))
     want = {"model." + k: v for k, v in MODEL.items()}
     want["optimizer.momentum.0"] = ("F32", [12], [0.5 * i for i in range(12)])

@@ -15,20 +15,24 @@
 //
 //   // resuming (a fresh process, everything rebuilt the same way; in DDP on every rank):
 //   ckpt.load("run.ckpt.safetensors");                     // fills the model, momentum and progress()
-//   dparallel::distributed_sampler sampler(n, rank, {.shuffle = true, .seed = ckpt.progress().seed});
+//   dparallel::distributed_sampler sampler(n, rank, {.shuffle = true, .seed = ckpt.progress().seed,
+//                                                     .order = ckpt.progress().sampler.order});
 //   sampler.set_epoch(ckpt.progress().sampler.epoch);
 //   // ... continue from sampler.indices()[ckpt.progress().sampler.index] on
 //
 // File layout: the model's tensors are named "model.<name>" (the names of state_dict()), the
 // registered tensors "optimizer.<name>"; the scalars are decimal strings in __metadata__
 // ("dparallel.checkpoint" = "1", "epoch", "step", "sampler.epoch", "sampler.index", "seed", and
-// "user.<key>" for progress().extra). The file is a plain safetensors file: Python reads it
-// with safetensors.safe_open or the standard library.
+// "user.<key>" for progress().extra), and "sampler.order" names the shuffle order ("torch" or
+// "splitmix64"; a file without it was written before dparallel had a second order: splitmix64).
+// The file is a plain safetensors file: Python reads it with safetensors.safe_open or the
+// standard library.
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/data/distributed_sampler.hpp>
 #include <dparallel/io/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
@@ -48,12 +52,15 @@
 DPARALLEL_NAMESPACE_BEGIN
 
 /// Where a sampler stands: its epoch and how many of this rank's indices of that epoch have been
-/// consumed (the next sample to read is sampler.indices()[index]).
+/// consumed (the next sample to read is sampler.indices()[index]), and the shuffle order those
+/// indices follow (sampler_options::order), without which the position names other samples.
 struct sampler_position {
   /// The sampler's epoch.
   std::uint64_t epoch = 0;
   /// How many of this rank's indices of that epoch have been consumed.
   std::uint64_t index = 0;
+  /// The permutation the sampler's shuffled epochs follow (sampler_options::order's default).
+  shuffle_order order = shuffle_order::torch;
   friend constexpr bool operator==(sampler_position, sampler_position) = default;
 };
 
@@ -90,6 +97,23 @@ inline std::uint64_t parse_u64(safetensors_metadata const& meta, std::string con
     throw error("dparallel: " + where + ": expected the checkpoint's __metadata__ '" + key +
                 "' to be an unsigned decimal integer below 2^64, found " + in_quotes(s));
   return r;
+}
+
+/// The name "sampler.order" stores for `o`.
+constexpr std::string_view shuffle_order_name(shuffle_order o) noexcept {
+  return o == shuffle_order::splitmix64 ? "splitmix64" : "torch";
+}
+
+/// "sampler.order" of `meta`; splitmix64 when absent (a file from before the key, when that was
+/// dparallel's only order).
+inline shuffle_order parse_shuffle_order(safetensors_metadata const& meta, std::string const& where) {
+  auto const it = meta.find("sampler.order");
+  if (it == meta.end()) return shuffle_order::splitmix64;
+  for (shuffle_order o : {shuffle_order::torch, shuffle_order::splitmix64})
+    if (it->second == shuffle_order_name(o)) return o;
+  throw error("dparallel: " + where +
+              ": expected the checkpoint's __metadata__ 'sampler.order' to be 'torch' or 'splitmix64', found " +
+              in_quotes(it->second));
 }
 }  // namespace detail
 
@@ -147,6 +171,7 @@ class checkpoint {
     meta["step"] = std::to_string(progress_.step);
     meta["sampler.epoch"] = std::to_string(progress_.sampler.epoch);
     meta["sampler.index"] = std::to_string(progress_.sampler.index);
+    meta["sampler.order"] = std::string(detail::shuffle_order_name(progress_.sampler.order));
     meta["seed"] = std::to_string(progress_.seed);
     save_safetensors(path, tensors(), meta);
   }
@@ -171,6 +196,7 @@ class checkpoint {
     p.step = detail::parse_u64(meta, "step", where);
     p.sampler.epoch = detail::parse_u64(meta, "sampler.epoch", where);
     p.sampler.index = detail::parse_u64(meta, "sampler.index", where);
+    p.sampler.order = detail::parse_shuffle_order(meta, where);
     p.seed = detail::parse_u64(meta, "seed", where);
     for (auto const& [k, v] : meta)
       if (k.starts_with("user.")) p.extra.emplace(k.substr(5), v);
