@@ -428,4 +428,26 @@ TEST_CASE("a backend's begin_step runs on the calling thread for every stream be
     });
     CHECK(calls == std::vector<std::vector<int>>(2, std::vector<int>(3, 1)));
   }
+  SECTION("DDP join(): every shadow step begins as a step does") {
+    // Rank 0 steps twice, then joins; rank 1 joins at once and shadows those two steps. Each
+    // rank's join ends with one more round (which finds every rank joined), also begun.
+    std::vector<std::vector<int>> calls(2);
+    std::mutex mu;
+    dpl::options o;
+    o.uneven_inputs = true;
+    dpl::spawn(2, [&](dpl::rank_context& rank) {
+      std::vector<int> mine;
+      per_rank_backend::log = &mine;
+      model m({5, 3}, 1);
+      dpl::parallel<model, dpl::ddp, per_rank_backend> ddp(m, rank.group(), o);
+      auto const data = test::dataset<float>::make(4, m.dim, 3, false);
+      if (rank.rank() == 0)
+        for (int step = 0; step < 2; ++step)
+          ddp.step(data.all(), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+      ddp.join();
+      std::lock_guard lock(mu);
+      calls[static_cast<std::size_t>(rank.rank())] = mine;
+    });
+    CHECK(calls == std::vector<std::vector<int>>(2, std::vector<int>(3, 1)));
+  }
 }

@@ -267,7 +267,7 @@ class parallel {
     requires(is_distributed_v<Semantics>)
   {
     try {
-      detail::run_join(rs_, replicate_, reduce_, join_);
+      detail::run_join(rs_, replicate_, reduce_, join_, [this] { begin_streams(); });
     } catch (std::exception const& e) {
       rs_.group.abort(std::string("rank ") + std::to_string(rs_.rank()) + " failed in join(): " +
                       detail::without_prefix(e.what()));
@@ -351,10 +351,7 @@ class parallel {
       step_scratch* scratch;
     } const fr{this, &batch, &step_fn, scratch};
     sync_guard guard{this};
-    // A backend whose streams do not follow the caller's own (cuda::backend: non-blocking CUDA
-    // streams) orders them after it first, before anything of the step is enqueued.
-    if constexpr (requires(typename Backend::stream_type& s) { Backend::begin_step(s); })
-      for (auto& s : rs_.streams) Backend::begin_step(*s);
+    begin_streams();
     // The master's stream keeps its worker asleep: this thread runs its work in synchronize_streams()
     // below, where it would otherwise only wait (no hand-off, no wake-up on the critical path).
     if constexpr (requires { rs_.streams[0]->hold(); }) rs_.streams[0]->hold();
@@ -472,6 +469,13 @@ class parallel {
 
   // DDP's device when options::local_device is not given: the backend's choice for this rank
   // (CUDA: the rank's GPU among the visible ones), else device `rank` of the backend's kind.
+  // A backend whose streams do not follow the caller's own (cuda::backend: non-blocking CUDA
+  // streams) orders them after it first, before anything of a step (or join's shadow step) is enqueued.
+  void begin_streams() {
+    if constexpr (requires(typename Backend::stream_type& s) { Backend::begin_step(s); })
+      for (auto& s : rs_.streams) Backend::begin_step(*s);
+  }
+
   static device default_device(int rank) {
     if constexpr (requires { Backend::default_device(rank); }) {
       return Backend::default_device(rank);

@@ -300,6 +300,7 @@ TEST_CASE("CUDA streams order work across logical devices and report errors at s
   auto const devs = dpl::cuda::logical_devices(2, 0);
   dpl::cuda::stream a(devs[0]), b(devs[1]);
   dpl::cuda::device_buffer<float> buf(1 << 20, devs[0]);
+  a.wait_for_legacy_stream();  // buf was allocated and zeroed on the legacy stream
   std::vector<float> ones(1 << 20, 1.0f);
   auto const filled = a.enqueue([&] {
     dpl::cuda::copy(dpl::cuda::current_stream(), devs[0], buf.view(), dpl::tensor_ref(ones.data(), ones.size(), dpl::dtype::f32));
@@ -323,6 +324,7 @@ TEST_CASE("CUDA held stream: synchronize_here launches on the caller, in order, 
   auto const devs = dpl::cuda::logical_devices(2, 0);
   dpl::cuda::stream a(devs[0]), b(devs[1]);
   dpl::cuda::device_buffer<float> buf(1 << 16, devs[0]);
+  a.wait_for_legacy_stream();  // buf was allocated and zeroed on the legacy stream
   std::vector<float> ones(1 << 16, 1.0f);
   std::thread::id ran_on;
   int current_inside = -1;

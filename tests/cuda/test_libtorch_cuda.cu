@@ -2,7 +2,7 @@
 // scripts/gpu-check builds it against the GPU machine's PyTorch): the step function's kernels run
 // on dparallel's stream of the shard's lane; DataParallel over 2 lanes of one GPU, and DDP on NCCL
 // at world size 1, give the parameters of the same module trained on the GPU by libtorch alone,
-// with the optimizer's updates and fresh batches issued on libtorch's default stream between
+// with the optimizer's updates issued on libtorch's default stream behind a busy kernel between
 // steps (what cuda::backend::begin_step orders the step after). Without a GPU: skipped (77).
 #include <dparallel/adapters/libtorch.hpp>  // first: the adapter's header compiles on its own
 
@@ -69,6 +69,28 @@ batch_t batch_of(int s) {
 
 void step_fn(Net& m, batch_t b) { torch::mse_loss(m->forward(std::get<0>(b)), std::get<1>(b)).backward(); }
 
+// Every step's batch, made before training: making one copies it to the GPU synchronously, which
+// would also wait for everything queued on the default stream (and hide a missing order).
+std::vector<batch_t> all_batches() {
+  std::vector<batch_t> out;
+  for (int s = 0; s < steps; ++s) out.push_back(batch_of(s));
+  return out;
+}
+
+__global__ void spin(long long cycles) {
+  long long const t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+// The optimizer's update, queued on libtorch's current (default) stream behind about 20 ms of
+// busy GPU: a step that did not wait for the default stream would read the parameters before it.
+void late_update(torch::optim::SGD& opt) {
+  spin<<<1, 1, 0, c10::cuda::getCurrentCUDAStream(0).stream()>>>(30'000'000);
+  dpl::cuda::check(cudaGetLastError(), "spin");
+  opt.step();
+}
+
 torch::Tensor flat(Net& m) {
   std::vector<torch::Tensor> parts;
   for (auto const& p : m->parameters()) parts.push_back(p.detach().flatten().to(torch::kCPU));
@@ -118,10 +140,11 @@ TEST_CASE("libtorch on CUDA: DataParallel over 2 lanes of one GPU equals libtorc
   Net m = initial();
   dpl::parallel<Net, dpl::dp, gpu> dp(m, dpl::cuda::logical_devices(2, 0));
   torch::optim::SGD opt(m->parameters(), lr);  // updates the master on libtorch's default stream
+  std::vector<batch_t> const batches = all_batches();
   std::vector<void*> grads_before;
   for (int s = 0; s < steps; ++s) {
-    dp.step(batch_of(s), step_fn);
-    opt.step();
+    dp.step(batches[static_cast<std::size_t>(s)], step_fn);
+    late_update(opt);
     if (s == 0)
       for (auto const& g : dpl::gradient_refs(dp.replica(1))) grads_before.push_back(g.data());
   }
@@ -140,9 +163,10 @@ TEST_CASE("libtorch on CUDA: DDP on NCCL (world size 1) equals libtorch alone af
   Net m = initial();
   dpl::parallel<Net, dpl::ddp, gpu> ddp(m, group, {.local_device = gpu0});
   torch::optim::SGD opt(m->parameters(), lr);
+  std::vector<batch_t> const batches = all_batches();
   for (int s = 0; s < steps; ++s) {
-    ddp.step(batch_of(s), step_fn);
-    opt.step();
+    ddp.step(batches[static_cast<std::size_t>(s)], step_fn);
+    late_update(opt);
   }
   CHECK(relative(flat(m), ref) <= 1e-9);
 }

@@ -235,7 +235,14 @@ class communicator {
   struct driver {
     using handle = in_flight;
     communicator& c;
+    bool device_set = false;  // the poll thread's current device is c.dev_ (set at its first use)
+    // The poll thread is dparallel's own and never chose a device: a runtime call there would
+    // create a primary context on GPU 0 (the thread's default device) in every rank's process.
+    void on_poll_thread() {
+      if (!device_set) device_set = cudaSetDevice(c.dev_.index) == cudaSuccess;
+    }
     dparallel::detail::poll_result poll(in_flight& h) {
+      on_poll_thread();
       cudaError_t const q = cudaEventQuery(h.done);
       if (q == cudaSuccess) return dparallel::detail::poll_result::done();
       (void)cudaGetLastError();
@@ -248,6 +255,7 @@ class communicator {
     // nothing can be assumed about the enqueued operations and the communicator must be
     // aborted (NCCL API, ncclCommGetAsyncError).
     std::string async_error() {
+      on_poll_thread();  // called before each poll
       ncclResult_t r = ncclSuccess;
       if (ncclCommGetAsyncError(c.comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
       std::string msg = std::string("NCCL reported ") + ncclGetErrorString(r);
@@ -327,11 +335,13 @@ class communicator {
   // Launches one collective on stream_ after the issuer's GPU work, staging exactly its host sides.
   template <class Call>
   work launch(char const* what, tensor_ref in, tensor_ref out, Call&& call) {
+    // Before side()'s cudaPointerGetAttributes: the issuing thread may never have chosen a device
+    // (a forwarding or desync thread), and a runtime call there would create a context on GPU 0.
+    cuda::device_guard g(dev_.index);
     dparallel::detail::staging_plan const plan =
         dparallel::detail::plan_staging(side(in, "in", what), side(out, "out", what), what);
     std::string desc = std::string(what) + " of " + std::to_string(out.size()) + " x " + std::string(name_of(out.dtype()));
-    return poller_->launch(std::move(desc), timeout(), [&] {
-      cuda::device_guard g(dev_.index);
+    return poller_->launch(std::move(desc), timeout(), [&] {  // runs here, on this thread, under g
       order_after_issuer();
       in_flight h;
       void const* src = in.data();

@@ -149,9 +149,10 @@ class join_control {
 
 /// parallel::join(): shadow steps (no samples, zero contributions, the same collectives as a
 /// stepping rank's synchronised step) until every rank has joined, then every rank takes the
-/// parameters and buffers of the rank that stepped last.
-template <class Set, class Replicate, class Reduce>
-void run_join(Set& s, Replicate& replicate, Reduce& reduce, join_control& control) {
+/// parameters and buffers of the rank that stepped last. `begin_streams()` opens each shadow step
+/// as a step's first call (the backend's begin_step on every stream: parallel.hpp).
+template <class Set, class Replicate, class Reduce, class BeginStreams>
+void run_join(Set& s, Replicate& replicate, Reduce& reduce, join_control& control, BeginStreams&& begin_streams) {
   require(s.opts.uneven_inputs, "DDP join() on rank " + std::to_string(s.rank()) +
                                     ": expected options::uneven_inputs = true (on every rank: it adds the small "
                                     "collective by which the ranks learn who has joined), found it false");
@@ -164,6 +165,7 @@ void run_join(Set& s, Replicate& replicate, Reduce& reduce, join_control& contro
       s.batch = 0;
       s.shard_sizes.assign(s.size(), 0);
       s.shard_offsets.assign(s.size(), 0);
+      begin_streams();
       if (!control.begin(s)) break;
       try {
         replicate.before_step(s);
