@@ -467,15 +467,16 @@ class parallel {
     }
   };
 
-  // DDP's device when options::local_device is not given: the backend's choice for this rank
-  // (CUDA: the rank's GPU among the visible ones), else device `rank` of the backend's kind.
   // A backend whose streams do not follow the caller's own (cuda::backend: non-blocking CUDA
-  // streams) orders them after it first, before anything of a step (or join's shadow step) is enqueued.
+  // streams) orders them after it first, before anything of a step, or of a shadow step of
+  // join(), is enqueued.
   void begin_streams() {
     if constexpr (requires(typename Backend::stream_type& s) { Backend::begin_step(s); })
       for (auto& s : rs_.streams) Backend::begin_step(*s);
   }
 
+  // DDP's device when options::local_device is not given: the backend's choice for this rank
+  // (CUDA: the rank's GPU among the visible ones), else device `rank` of the backend's kind.
   static device default_device(int rank) {
     if constexpr (requires { Backend::default_device(rank); }) {
       return Backend::default_device(rank);
