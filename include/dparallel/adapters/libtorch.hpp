@@ -141,15 +141,8 @@ class ready_hook final : public torch::autograd::FunctionPostHook {
         // step's thread (the step's thread waits in backward() meanwhile). The reducer launches
         // its copies and collectives on dparallel's current stream of the calling thread, so the
         // shard's is made current here for the call (its kernels then follow the gradient's).
-        struct borrowed_current {
-          cuda::detail::current_state saved = cuda::detail::current();
-          explicit borrowed_current(cuda::detail::current_state const& shard) {
-            if (shard.set) cuda::detail::current() = shard;
-          }
-          borrowed_current(borrowed_current const&) = delete;
-          borrowed_current& operator=(borrowed_current const&) = delete;
-          ~borrowed_current() { cuda::detail::current() = saved; }
-        } const scope(s->shard_current);
+        std::optional<cuda::detail::current_scope> borrowed;
+        if (s->shard_current.set) borrowed.emplace(s->shard_current);
 #endif
         c->grad_ready(index_);
       }

@@ -73,34 +73,14 @@ inline staging_plan const& plan_for(int here, std::span<tensor_ref const> views)
   return plan;
 }
 
-/// `v` (another GPU's memory, or host memory) copied into `at` (memory of stream `s`'s GPU) on `s`
-/// (cudaMemcpyPeerAsync between GPUs), the stream of the GPU that reads it: the copy is ordered
-/// after the stream's earlier work (the waits the policies put on it) and before its later
-/// kernels. Returns the local view.
+/// `v` (another GPU's memory, or host memory) copied into `at` (memory of stream `s`'s GPU) on `s`,
+/// the stream of the GPU that reads it (cuda::copy: peer copies with the pair's grants): the copy
+/// is ordered after the stream's earlier work (the waits the policies put on it) and before its
+/// later kernels. Returns the local view.
 inline tensor_ref stage_from_peer(stream& s, tensor_ref v, std::byte* at) {
-  if (v.device().kind == device_kind::cuda) {
-    (void)link(s.device_index(), v.device().index);  // the pair's grants, as cuda::copy makes them
-    check(cudaMemcpyPeerAsync(at, s.device_index(), v.data(), v.device().index, v.size_bytes(), s.native()),
-          "cudaMemcpyPeerAsync", s.logical_device());
-  } else {  // host memory (pageable: the runtime stages it)
-    check(cudaMemcpyAsync(at, v.data(), v.size_bytes(), cudaMemcpyDefault, s.native()), "cudaMemcpyAsync",
-          s.logical_device());
-  }
-  return tensor_ref(at, v.size(), v.dtype(), s.logical_device());
-}
-
-/// The staged result `local` (memory of stream `s`'s GPU) copied back to `dst` (another GPU's
-/// memory, or host memory) on `s`, after the stream's kernels: stage_from_peer's way back.
-inline void unstage_to(stream& s, tensor_ref dst, tensor_ref local) {
-  if (dst.device().kind == device_kind::cuda) {
-    (void)link(s.device_index(), dst.device().index);
-    check(cudaMemcpyPeerAsync(dst.data(), dst.device().index, local.data(), s.device_index(), dst.size_bytes(),
-                              s.native()),
-          "cudaMemcpyPeerAsync", s.logical_device());
-  } else {
-    check(cudaMemcpyAsync(dst.data(), local.data(), dst.size_bytes(), cudaMemcpyDefault, s.native()),
-          "cudaMemcpyAsync", s.logical_device());
-  }
+  tensor_ref const local(at, v.size(), v.dtype(), s.logical_device());
+  cuda::copy(s.native(), s.logical_device(), local, v);
+  return local;
 }
 
 /// Several weighted sums, run in work on `s`: for each j, dst[j] = sum_k w[k] * srcs[j*m + k]
@@ -125,7 +105,7 @@ inline void staged_weighted_sums(stream& s, std::span<tensor_ref const> dst, std
   std::span<tensor_ref const> const all(local);
   cuda::weighted_sums(s.native(), s.logical_device(), all.first(dst.size()), all.subspan(dst.size()), w);
   for (std::size_t j = 0; j < dst.size(); ++j)
-    if (plan.offset[j] != staging_plan::npos) unstage_to(s, dst[j], local[j]);
+    if (plan.offset[j] != staging_plan::npos) cuda::copy(s.native(), s.logical_device(), dst[j], local[j]);
 }
 
 }  // namespace detail
@@ -169,7 +149,7 @@ struct backend {
   /// the legacy default stream (an optimizer's update of the master's parameters, a batch made on
   /// the GPU by libtorch or plain CUDA code). Work on the caller's other streams is the caller's to
   /// order (synchronise them before step()).
-  static void begin_step(stream_type& s) { (void)s.wait_for_legacy_stream(); }
+  static void begin_step(stream_type& s) { s.wait_for_legacy_stream(); }
 
   /// Operations launched on the calling thread's current stream: the reducers call them from
   /// work running on a cuda::stream (as host::backend runs them on the stream's worker).

@@ -153,6 +153,18 @@ inline current_state& current() {
   thread_local current_state s;
   return s;
 }
+/// Makes `s` the calling thread's current stream and logical device until destroyed, then gives
+/// the thread its previous ones back.
+class current_scope {
+ public:
+  explicit current_scope(current_state const& s) : saved_(current()) { current() = s; }
+  current_scope(current_scope const&) = delete;
+  current_scope& operator=(current_scope const&) = delete;
+  ~current_scope() { current() = saved_; }
+
+ private:
+  current_state saved_;
+};
 }  // namespace detail
 
 /// The CUDA stream of the logical device whose work is running on the calling thread: inside a

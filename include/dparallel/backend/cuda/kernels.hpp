@@ -275,10 +275,11 @@ void dispatch_float(dtype t, F&& f, char const* what) {
 }
 
 inline void check_same(tensor_ref dst, tensor_ref src, char const* what) {
-  dparallel::detail::require(dst.dtype() == src.dtype() && dst.size() == src.size(),
-                             std::string(what) + ": expected views of the same dtype and size, found " +
-                                 std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + " and " +
-                                 std::to_string(src.size()) + " x " + std::string(name_of(src.dtype())));
+  dparallel::detail::require(dst.dtype() == src.dtype() && dst.size() == src.size(), [&] {  // built on failure only
+    return std::string(what) + ": expected views of the same dtype and size, found " + std::to_string(dst.size()) +
+           " x " + std::string(name_of(dst.dtype())) + " and " + std::to_string(src.size()) + " x " +
+           std::string(name_of(src.dtype()));
+  });
 }
 
 }  // namespace detail

@@ -205,16 +205,12 @@ class stream {
   /// Later work on this stream waits, on the GPU, for the work issued so far to the legacy default
   /// stream of its GPU (stream 0, where libtorch and plain CUDA code run unless told otherwise).
   /// This stream is cudaStreamNonBlocking, so nothing else orders the two (CUDA Runtime API,
-  /// "stream synchronization behavior"). The event is recorded on the launch thread when this work
-  /// comes up; its wait holds on the GPU from then on, so the event goes back to the pool at once.
-  event wait_for_legacy_stream() {
-    return enqueue([this] {
-      cudaEvent_t const ev = events_->take();
-      cudaError_t const recorded = cudaEventRecord(ev, cudaStreamLegacy);
-      cudaError_t const waited = recorded == cudaSuccess ? cudaStreamWaitEvent(s_, ev, 0) : recorded;
-      events_->give_back(ev);
-      check(waited, recorded == cudaSuccess ? "cudaStreamWaitEvent" : "cudaEventRecord", dev_);
-    });
+  /// "stream synchronization behavior"). Like wait(), it costs nothing until the next enqueue,
+  /// whose work, on the launch thread, records an event on the legacy stream and waits for it
+  /// first (what was issued there by then, which includes what was issued before this call).
+  void wait_for_legacy_stream() {
+    std::lock_guard lock(m_);
+    legacy_wait_ = true;
   }
 
   /// An event that completes when all work enqueued so far has finished on the GPU.
@@ -264,8 +260,10 @@ class stream {
     done.gpu_->pool = timed ? timing_ : events_;
     std::lock_guard lock(m_);  // the waits folded into this work are the ones asked for before it
     done.launched_ = worker_->enqueue(
-        [this, gpu = done.gpu_, timed, waits = std::exchange(waits_, {}), fn = std::forward<F>(fn)]() mutable {
+        [this, gpu = done.gpu_, timed, legacy = std::exchange(legacy_wait_, false), waits = std::exchange(waits_, {}),
+         fn = std::forward<F>(fn)]() mutable {
           scope current(*this);
+          if (legacy) wait_for_legacy_now();
           for (event const& e : waits) {
             e.launched_.wait();  // its cudaEvent_t exists once its work was launched
             // The event may belong to another GPU (CUDA Runtime API, cudaStreamWaitEvent: "event
@@ -288,11 +286,22 @@ class stream {
     return done;
   }
 
+  // wait_for_legacy_stream()'s wait, made on the launch thread with this stream's GPU current. The
+  // wait holds on the GPU from then on, so the event goes back to the pool at once.
+  void wait_for_legacy_now() {
+    cudaEvent_t const ev = events_->take();
+    cudaError_t const recorded = cudaEventRecord(ev, cudaStreamLegacy);
+    cudaError_t const waited = recorded == cudaSuccess ? cudaStreamWaitEvent(s_, ev, 0) : recorded;
+    events_->give_back(ev);
+    check(waited, recorded == cudaSuccess ? "cudaStreamWaitEvent" : "cudaEventRecord", dev_);
+  }
+
   // Launches (here, or on the launch thread) and waits for everything enqueued; see synchronize().
   void finish(bool here) {
     {
       std::unique_lock lock(m_);
-      if (!waits_.empty()) {  // waits not yet folded into work: make them, so their errors surface here
+      // Waits not yet folded into work: make them, so their errors surface here.
+      if (!waits_.empty() || legacy_wait_) {
         lock.unlock();
         (void)record();
       }
@@ -317,14 +326,9 @@ class stream {
   // thread its own current device back afterwards: the work may run on the caller's thread
   // (synchronize_here), whose current GPU is the user's, not only on the launch thread.
   struct scope {
-    detail::current_state saved;
     device_guard on;
-    explicit scope(stream const& s) : saved(detail::current()), on(s.dev_.index) {
-      detail::current() = detail::current_state{s.s_, s.dev_, true};
-    }
-    scope(scope const&) = delete;
-    scope& operator=(scope const&) = delete;
-    ~scope() { detail::current() = saved; }
+    detail::current_scope current;
+    explicit scope(stream const& s) : on(s.dev_.index), current(detail::current_state{s.s_, s.dev_, true}) {}
   };
 
   device dev_;
@@ -332,6 +336,7 @@ class stream {
   std::shared_ptr<detail::event_pool> events_, timing_;
   std::mutex m_;
   std::vector<event> waits_;  // asked for since the last enqueue
+  bool legacy_wait_ = false;  // wait_for_legacy_stream() asked for since the last enqueue
   std::array<staging_buffer, 2> staging_;
   pinned_buffer<std::byte> pinned_;
   std::unique_ptr<host::stream> worker_;
