@@ -1,7 +1,9 @@
 # The libtorch add-on: the target dparallel::libtorch (dparallel + libtorch, for
 # <dparallel/adapters/libtorch.hpp>) when find_package(Torch) finds libtorch (Debian: libtorch-dev;
 # pip's torch: -DTorch_DIR=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch).
-# Without it a status line says so once and nothing else changes. Defines DPARALLEL_HAVE_TORCH
+# Without it a status line says so once and nothing else changes. As a subproject nothing is
+# probed (DPARALLEL_TORCH defaults to OFF there) and dparallel::libtorch links the project's own
+# libtorch (below). Defines DPARALLEL_HAVE_TORCH
 # (TRUE/FALSE) and, when libtorch has CUDA and the CUDA add-on exists, DPARALLEL_HAVE_TORCH_CUDA
 # (the target then also links dparallel::cuda and defines DPARALLEL_LIBTORCH_CUDA).
 #
@@ -13,7 +15,39 @@ option(DPARALLEL_TORCH "Look for libtorch and define dparallel::libtorch (defaul
        ${PROJECT_IS_TOP_LEVEL})
 set(DPARALLEL_HAVE_TORCH FALSE)
 set(DPARALLEL_HAVE_TORCH_CUDA FALSE)
+
+# Links dparallel_libtorch to libtorch's targets as the calling directory sees them.
+function(_dparallel_link_torch)
+  if(NOT TARGET torch)
+    return()
+  endif()
+  target_link_libraries(dparallel_libtorch INTERFACE torch)
+  if(TARGET dparallel_cuda AND (TARGET torch_cuda OR TARGET torch_cuda_library OR TARGET c10_cuda))
+    target_link_libraries(dparallel_libtorch INTERFACE dparallel::cuda)
+    target_compile_definitions(dparallel_libtorch INTERFACE DPARALLEL_LIBTORCH_CUDA=1)
+  endif()
+endfunction()
+
 if(NOT DPARALLEL_TORCH)
+  if(NOT PROJECT_IS_TOP_LEVEL)
+    # A subproject (add_subdirectory, FetchContent) probes nothing, but the project's own
+    # find_package(Torch), before or after this one, is enough for dparallel::libtorch: found
+    # before, it is linked now; found after (in the top directory), at the end of the top
+    # directory (a deferred call: names linked from there are looked up there). With a CUDA
+    # libtorch and the CUDA add-on (DPARALLEL_CUDA=ON) the target also takes dparallel::cuda and
+    # DPARALLEL_LIBTORCH_CUDA.
+    add_library(dparallel_libtorch INTERFACE)
+    add_library(dparallel::libtorch ALIAS dparallel_libtorch)
+    target_link_libraries(dparallel_libtorch INTERFACE dparallel::dparallel)
+    if(TARGET torch)
+      _dparallel_link_torch()
+    else()
+      cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}" CALL _dparallel_link_torch)
+    endif()
+    message(STATUS "dparallel: dparallel::libtorch defined for the project's own find_package(Torch) "
+                   "(libtorch not probed: DPARALLEL_TORCH=OFF)")
+    return()
+  endif()
   message(STATUS "dparallel: libtorch adapter skipped: DPARALLEL_TORCH=OFF")
   return()
 endif()

@@ -378,7 +378,7 @@ class parallel {
           shard = detail::place_shard<Backend>(*self.rs_.streams[i], std::move(shard));
         Model& m = *self.rs_.models[i];
         self.started_[i] = profile_clock::now();
-        detail::shard_scope<Model> const bound(m, self.ctx_[i]);  // model_traits<Model>::begin_shard / end_shard
+        detail::shard_scope<Model> bound(m, self.ctx_[i]);  // model_traits<Model>::begin_shard / end_shard
         if constexpr (returns_value) {
           auto& out = f->scratch->outs[i];
           if constexpr (detail::step_with_context<F, Model, shard_type>) out.emplace(step_fn(m, std::move(shard), self.ctx_[i]));
@@ -387,6 +387,7 @@ class parallel {
           if constexpr (detail::step_with_context<F, Model, shard_type>) step_fn(m, std::move(shard), self.ctx_[i]);
           else step_fn(m, std::move(shard));
         }
+        bound.close();
         self.ended_[i] = profile_clock::now();
       });
     }

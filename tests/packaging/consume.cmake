@@ -6,6 +6,8 @@
 #   -DWORK_DIR=<scratch directory, wiped first>  -DCXX_COMPILER=<path>  [-DGENERATOR=<name>]
 #   [-DCONFIG=<build type>]  [-DEXPECTED_VERSION=<x.y.z>]
 #   [-DCXX_FLAGS=<space-separated compiler flags>] (include_path only)
+#   [-DTORCH_DIR=<libtorch's Torch_DIR>]: also build and run the consumer's libtorch program
+#   (tests/packaging/consumer/torch_main.cpp, add_subdirectory and find_package)
 foreach(var MODE SOURCE_DIR CONSUMER_DIR WORK_DIR CXX_COMPILER)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
     message(FATAL_ERROR "consume.cmake: -D${var}=... is required")
@@ -37,6 +39,10 @@ endif()
 # Configure arguments every CMake project in this test gets.
 set(common_args ${generator_args} "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${CONFIG}"
     -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+set(torch_args)
+if(TORCH_DIR)
+  set(torch_args -DDPARALLEL_CONSUME_TORCH=ON "-DTorch_DIR=${TORCH_DIR}")
+endif()
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}")
@@ -48,6 +54,13 @@ function(run_consumer build_dir)
     if(EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
       run("running the consumer" "${candidate}")
       message(STATUS "[${MODE}] ${last_output}")
+      if(TORCH_DIR)
+        get_filename_component(exe_dir "${candidate}" DIRECTORY)
+        get_filename_component(exe_name "${candidate}" NAME)
+        string(REPLACE "consumer" "consumer_torch" exe_name "${exe_name}")
+        run("running the libtorch consumer" "${exe_dir}/${exe_name}")
+        message(STATUS "[${MODE}] ${last_output}")
+      endif()
       return()
     endif()
   endforeach()
@@ -58,7 +71,7 @@ endfunction()
 function(build_consumer)
   set(build "${WORK_DIR}/consumer-build")
   run("configuring the consumer" "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${build}" ${common_args}
-      "-DDPARALLEL_CONSUME_MODE=${MODE}" ${ARGN})
+      "-DDPARALLEL_CONSUME_MODE=${MODE}" ${torch_args} ${ARGN})
   run("building the consumer" "${CMAKE_COMMAND}" --build "${build}" ${config_args})
   run_consumer("${build}")
 endfunction()

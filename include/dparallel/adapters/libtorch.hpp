@@ -14,12 +14,16 @@
 // - parameters / gradients / buffers: views of the tensors' own memory, in named_parameters()
 //   and named_buffers() order; names and shapes for state dicts come from the same lists, so a
 //   state dict written by dparallel loads into the Python module with load_state_dict(strict=True).
-//   Every tensor must be contiguous, on the CPU or a CUDA device, of a dtype dparallel knows.
+//   Every tensor must be contiguous, on the CPU or a CUDA device, of a dtype dparallel knows
+//   (bool buffers are moved as their bytes, uint8).
 // - Gradients autograd has not created yet are allocated once (zeros, one flat buffer per dtype and
 //   device, in parameter order) the first time dparallel asks for them. Backward then accumulates
-//   into them in place, so their memory stays the same step after step: do not replace or reset
-//   .grad tensors (libtorch 1.13's Optimizer::zero_grad() and Module::zero_grad() zero them in
-//   place, which is fine; libtorch 2.x's Optimizer::zero_grad() needs set_to_none = false).
+//   into them in place, so their memory stays the same step after step. A step function that
+//   drops or replaces a .grad (zero_grad(set_to_none = true), libtorch 2.x's default) costs a
+//   copy: the new gradient is copied into the memory dparallel reads and becomes .grad again.
+// - Frozen parameters (requires_grad() false) get no .grad, as in PyTorch (optimizers skip them):
+//   their gradient for dparallel is a zero tensor the adapter owns, which DDP counts as ready at
+//   the start of every step, so no option is needed for them.
 // - Replicas (DataParallel) are made once, by Module::clone(): modules must derive from
 //   torch::nn::Cloneable<Impl> (every built-in module does).
 // - Readiness: a post hook on each parameter's gradient accumulator (the autograd node that adds
@@ -41,7 +45,9 @@
 #include <dparallel/core/gradient_memory.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/step_context.hpp>
+#include <dparallel/adapters/libtorch_hooks.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/policy/gather.hpp>
 
 #include <torch/torch.h>
 
@@ -51,16 +57,13 @@
 #include <dparallel/backend/cuda/device.hpp>
 #endif
 
-#include <atomic>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -81,11 +84,11 @@ inline dtype dtype_of(at::ScalarType t, std::string const& what) {
     case at::kInt: return dtype::i32;
     case at::kLong: return dtype::i64;
     case at::kByte: return dtype::u8;
+    case at::kBool: return dtype::u8;  // one byte, 0 or 1: broadcast and copied as bytes (never reduced)
     default: break;
   }
   throw invalid_argument("dparallel: libtorch: tensor '" + what + "' has dtype " + std::string(c10::toString(t)) +
-                         "; expected float32, float64, float16, bfloat16, int32, int64 or uint8 (convert the module "
-                         "with ->to(dtype))");
+                         "; expected float32, float64, float16, bfloat16, int32, int64, uint8 or bool");
 }
 
 /// The dparallel device of a torch device: the CPU is host memory, cuda:N is GPU N.
@@ -98,10 +101,13 @@ inline device device_of(at::Device d, std::string const& what) {
 
 /// A view of `t`'s memory; throws invalid_argument when it is not contiguous or not defined.
 inline tensor_ref view(at::Tensor const& t, std::string const& what) {
-  detail::require(t.defined(), "dparallel: libtorch: tensor '" + what + "' is undefined; expected a tensor");
-  detail::require(t.is_contiguous(), "dparallel: libtorch: tensor '" + what +
-                                         "' is not contiguous; expected contiguous parameters and buffers "
-                                         "(assign param.set_data(param.contiguous()) once before wrapping)");
+  dparallel::detail::require(t.defined(),
+                             [&] { return "libtorch: tensor '" + what + "' is undefined; expected a tensor"; });
+  dparallel::detail::require(t.is_contiguous(), [&] {
+    return "libtorch: tensor '" + what +
+           "' is not contiguous; expected contiguous parameters and buffers (assign "
+           "param.set_data(param.contiguous()) once before wrapping)";
+  });
   return {t.data_ptr(), static_cast<std::size_t>(t.numel()), dtype_of(t.scalar_type(), what),
           device_of(t.device(), what)};
 }
@@ -112,111 +118,6 @@ template <class M>
 torch::nn::Module& module_of(M& m) {
   if constexpr (requires { m.ptr(); }) return *m.ptr();
   else return *m;
-}
-
-/// What the hooks of one module share: the step they report to (null outside a step), and the
-/// gradient accumulators they are attached to (kept alive here, as autograd holds them weakly).
-struct hook_state {
-  std::atomic<step_context*> ctx{nullptr};
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // per parameter; null when frozen
-  std::vector<std::uintptr_t> keys;                                  // the post hooks, for del_post_hook
-  std::vector<at::TensorImpl const*> hooked;                         // the parameters hooked
-#if defined(DPARALLEL_LIBTORCH_CUDA)
-  std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
-  cuda::detail::current_state shard_current{};  // dparallel's current stream of the bound shard
-#endif
-};
-
-/// Runs after an accumulator added its gradient into .grad: tells the bound step that parameter
-/// `index` is ready.
-class ready_hook final : public torch::autograd::FunctionPostHook {
- public:
-  ready_hook(std::weak_ptr<hook_state> s, std::size_t index) : state_(std::move(s)), index_(index) {}
-  torch::autograd::variable_list operator()(torch::autograd::variable_list const& outputs,
-                                            torch::autograd::variable_list const& /*inputs*/) override {
-    if (auto s = state_.lock()) {
-      if (step_context* c = s->ctx.load(std::memory_order_acquire)) {
-#if defined(DPARALLEL_LIBTORCH_CUDA)
-        // Autograd runs the backward of CUDA tensors on a thread of its own per GPU, not on the
-        // step's thread (the step's thread waits in backward() meanwhile). The reducer launches
-        // its copies and collectives on dparallel's current stream of the calling thread, so the
-        // shard's is made current here for the call (its kernels then follow the gradient's).
-        std::optional<cuda::detail::current_scope> borrowed;
-        if (s->shard_current.set) borrowed.emplace(s->shard_current);
-#endif
-        c->grad_ready(index_);
-      }
-    }
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<hook_state> state_;
-  std::size_t index_;
-};
-
-/// The hook state of module `m`, made on first use; entries of destroyed modules are dropped.
-inline std::shared_ptr<hook_state> hooks_of(torch::nn::Module& m) {
-  struct entry {
-    std::weak_ptr<torch::nn::Module> module;
-    std::shared_ptr<hook_state> state;
-  };
-  static std::mutex mu;
-  static std::unordered_map<torch::nn::Module const*, entry> table;
-  std::lock_guard<std::mutex> const lock(mu);
-  for (auto it = table.begin(); it != table.end();) it = it->second.module.expired() ? table.erase(it) : std::next(it);
-  auto& e = table[&m];
-  if (!e.state) e = entry{m.shared_from_this(), std::make_shared<hook_state>()};
-  return e.state;
-}
-
-/// Installs (again, when the parameters changed) one ready_hook per parameter of `m`.
-inline void install_hooks(torch::nn::Module& m, std::shared_ptr<hook_state> const& s) {
-  auto const params = m.parameters(true);
-  bool same = params.size() == s->hooked.size();
-  for (std::size_t i = 0; same && i < params.size(); ++i) same = params[i].unsafeGetTensorImpl() == s->hooked[i];
-  if (same) return;
-  for (std::size_t i = 0; i < s->accumulators.size(); ++i)
-    if (s->accumulators[i]) s->accumulators[i]->del_post_hook(s->keys[i]);
-  s->accumulators.assign(params.size(), nullptr);
-  s->keys.assign(params.size(), 0);
-  s->hooked.assign(params.size(), nullptr);
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    s->hooked[i] = params[i].unsafeGetTensorImpl();
-    if (!params[i].requires_grad()) continue;  // frozen: no gradient, never ready
-    s->accumulators[i] = torch::autograd::impl::grad_accumulator(params[i]);
-    s->keys[i] = s->accumulators[i]->add_post_hook(std::make_unique<ready_hook>(s, i));
-  }
-}
-
-/// Gives every parameter without a gradient a zero one: the parameters of one dtype and device
-/// share one flat buffer, each gradient a view of its slice, in parameter order.
-inline void allocate_missing_gradients(torch::OrderedDict<std::string, at::Tensor> const& named) {
-  std::vector<at::Tensor> missing;
-  for (auto const& item : named)
-    if (!item.value().grad().defined()) missing.push_back(item.value());
-  if (missing.empty()) return;
-  torch::NoGradGuard const no_grad;
-  std::vector<bool> done(missing.size(), false);
-  for (std::size_t first = 0; first < missing.size(); ++first) {
-    if (done[first]) continue;
-    auto const same_kind = [&](at::Tensor const& t) {
-      return t.scalar_type() == missing[first].scalar_type() && t.device() == missing[first].device();
-    };
-    std::int64_t total = 0;
-    for (std::size_t i = first; i < missing.size(); ++i)
-      if (!done[i] && same_kind(missing[i])) total += missing[i].numel();
-    at::Tensor const flat = torch::zeros({total}, missing[first].options());
-    std::int64_t offset = 0;
-    for (std::size_t i = first; i < missing.size(); ++i) {
-      if (done[i] || !same_kind(missing[i])) continue;
-      // set_ rather than narrow/view: a plain tensor over the buffer's storage, not an autograd
-      // view (libtorch's Optimizer::zero_grad detaches gradients in place, which views refuse).
-      missing[i].mutable_grad() = torch::empty({0}, flat.options()).set_(flat.storage(), offset, missing[i].sizes());
-      offset += missing[i].numel();
-      done[i] = true;
-    }
-  }
 }
 
 /// Views of the named tensors (parameters or buffers) of `m`.
@@ -240,6 +141,16 @@ template <class M>
 struct is_shared_module : std::false_type {};
 template <class T>
 struct is_shared_module<std::shared_ptr<T>> : std::bool_constant<std::derived_from<T, torch::nn::Module>> {};
+
+/// The module class of a model type: T of std::shared_ptr<T>, else the holder's ContainedType.
+template <class M>
+struct module_type {
+  using type = typename M::ContainedType;
+};
+template <class T>
+struct module_type<std::shared_ptr<T>> {
+  using type = T;
+};
 }  // namespace detail
 
 /// The model types the adapter handles: torch::nn::ModuleHolder<T> and the types derived from it
@@ -259,31 +170,51 @@ struct model_traits<M> {
   static std::vector<tensor_ref> parameters(M& m) {
     return libtorch::detail::views_of(libtorch::detail::module_of(m).named_parameters(true));
   }
-  /// Views of each parameter's .grad. The gradients autograd has not made yet are made once
-  /// (zeros), as views of one flat buffer per dtype and device, in parameter order: every rank
-  /// then lays its gradients out alike (what gradient_as_bucket_view needs).
+  /// Views of each trainable parameter's .grad, and of a frozen one's zeros (owned by the adapter,
+  /// never its .grad). The gradients autograd has not made yet are made once (zeros), as views of
+  /// one flat buffer per dtype and device, in parameter order: every rank then lays its gradients
+  /// out alike (what gradient_as_bucket_view needs).
   static std::vector<tensor_ref> gradients(M& m) {
-    auto const named = libtorch::detail::module_of(m).named_parameters(true);
+    auto& mod = libtorch::detail::module_of(m);
+    auto const named = mod.named_parameters(true);
     libtorch::detail::allocate_missing_gradients(named);
+    std::shared_ptr<libtorch::detail::hook_state> frozen;
     std::vector<tensor_ref> out;
     out.reserve(named.size());
-    for (auto const& item : named) out.push_back(libtorch::view(item.value().grad(), item.key() + ".grad"));
+    for (std::size_t i = 0; i < named.size(); ++i) {
+      at::Tensor const& p = named[i].value();
+      if (p.requires_grad()) {
+        out.push_back(libtorch::view(p.grad(), named[i].key() + ".grad"));
+      } else {
+        if (!frozen) frozen = libtorch::detail::hooks_of(mod);
+        out.push_back(libtorch::view(libtorch::detail::frozen_gradient(*frozen, i, p), named[i].key() + ".grad"));
+      }
+    }
     return out;
   }
   /// DDP with gradient_as_bucket_view lays the gradients out (core/gradient_memory.hpp, host
-  /// gradients only): each parameter's .grad becomes a plain tensor over its place in the block
-  /// from the process group (group memory on one node), which the tensor keeps alive.
+  /// gradients only): each trainable parameter's .grad (a frozen one's zeros) becomes a plain
+  /// tensor over its place in the block from the process group (group memory on one node), which
+  /// the tensor keeps alive.
   static void bind_gradients(M& m, gradient_memory const& given) {
-    auto const named = libtorch::detail::module_of(m).named_parameters(true);
+    auto& mod = libtorch::detail::module_of(m);
+    auto const named = mod.named_parameters(true);
     dparallel::detail::require(given.places.size() == named.size(),
-                               "dparallel: libtorch: bind_gradients: expected a place per parameter");
+                               "libtorch: bind_gradients: expected a place per parameter");
     torch::NoGradGuard const no_grad;
-    std::size_t i = 0;
-    for (auto const& item : named) {
-      at::Tensor const& p = item.value();
+    auto const s = libtorch::detail::hooks_of(mod);
+    for (std::size_t i = 0; i < named.size(); ++i) {
+      at::Tensor const& p = named[i].value();
       std::shared_ptr<std::byte> keep = given.owner;
-      p.mutable_grad() = torch::from_blob(given.places[i++].data(), p.sizes(), [keep](void*) {},
-                                          torch::TensorOptions().dtype(p.scalar_type()).device(p.device()));
+      at::Tensor placed = torch::from_blob(
+          given.places[i].data(), p.sizes(), [keep](void*) {},
+          torch::TensorOptions().dtype(p.scalar_type()).device(p.device()));
+      if (p.requires_grad()) {
+        p.mutable_grad() = std::move(placed);
+      } else {
+        (void)libtorch::detail::frozen_gradient(*s, i, p);  // sizes the list
+        s->frozen[i] = std::move(placed);
+      }
     }
   }
   /// Views of named_buffers(), in order.
@@ -304,24 +235,31 @@ struct model_traits<M> {
   static std::vector<std::vector<std::uint64_t>> buffer_shapes(M& m) {
     return libtorch::detail::shapes_of(libtorch::detail::module_of(m).named_buffers(true));
   }
-  /// A deep copy by Module::clone(), on GPU `d.index` for a CUDA device.
+  /// A deep copy by Module::clone(), on GPU `d.index` for a CUDA device, with the source's
+  /// frozen parameters frozen (clone() makes every parameter trainable again).
   static M make_replica(M const& m, device d) {
+    using impl = typename libtorch::detail::module_type<M>::type;
+    static_assert(std::derived_from<impl, torch::nn::Cloneable<impl>>,
+                  "dparallel: libtorch: DataParallel makes its replicas with Module::clone(): derive the module "
+                  "from torch::nn::Cloneable<Impl> and register its parameters and submodules in reset()");
     auto& src = libtorch::detail::module_of(const_cast<M&>(m));
     c10::optional<torch::Device> to;
     if (d.kind == device_kind::cuda) to = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(d.index));
-    std::shared_ptr<torch::nn::Module> copy = src.clone(to);
-    if constexpr (libtorch::detail::is_shared_module<M>::value) {
-      auto typed = std::dynamic_pointer_cast<typename M::element_type>(copy);
-      dparallel::detail::require(typed != nullptr, "dparallel: libtorch: clone() returned another module type");
+    auto typed = std::dynamic_pointer_cast<impl>(src.clone(to));
+    dparallel::detail::require(typed != nullptr, "libtorch: clone() returned another module type");
+    auto const from = src.parameters(true);
+    auto to_params = typed->parameters(true);
+    for (std::size_t i = 0; i < from.size() && i < to_params.size(); ++i)
+      if (to_params[i].requires_grad() != from[i].requires_grad())
+        to_params[i].set_requires_grad(from[i].requires_grad());
+    if constexpr (libtorch::detail::is_shared_module<M>::value)
       return typed;
-    } else {
-      auto typed = std::dynamic_pointer_cast<typename M::ContainedType>(copy);
-      dparallel::detail::require(typed != nullptr, "dparallel: libtorch: clone() returned another module type");
+    else
       return M(std::move(typed));
-    }
   }
   /// Before the step function runs on replica `m`: hooks installed (once) and bound to `ctx`,
-  /// gradients zeroed in place, and on CUDA dparallel's stream made libtorch's current stream.
+  /// gradients zeroed in place (and kept, see restore_gradient), frozen parameters' zeros marked
+  /// ready, and on CUDA dparallel's stream made libtorch's current stream.
   static void begin_shard(M& m, step_context& ctx) {
     auto& mod = libtorch::detail::module_of(m);
     auto const s = libtorch::detail::hooks_of(mod);
@@ -337,24 +275,53 @@ struct model_traits<M> {
       s->shard_current = cuda::detail::current();
     }
 #endif
-    {
+    try {
       torch::NoGradGuard const no_grad;
-      for (auto& p : mod.parameters(true))
-        if (p.grad().defined()) p.mutable_grad().zero_();
+      for (std::size_t i = 0; i < s->params.size(); ++i) {
+        at::Tensor const& p = s->params[i];
+        s->marked[i] = 0;
+        if (s->trainable[i]) {
+          if (p.grad().defined()) p.mutable_grad().zero_();
+          s->handed[i] = p.grad();
+        } else {
+          libtorch::detail::frozen_gradient(*s, i, p).zero_();
+        }
+      }
+      // PyTorch's DDP leaves frozen parameters out of its buckets; here their zeros are final now.
+      for (std::size_t i = 0; i < s->params.size(); ++i)
+        if (!s->trainable[i]) ctx.grad_ready(i);
+    } catch (...) {
+      unbind(*s);
+      throw;
     }
     s->ctx.store(&ctx, std::memory_order_release);
   }
-  /// After the step function: the hooks report to no step.
-  static void end_shard(M& m) noexcept {
-    try {
-      auto const s = libtorch::detail::hooks_of(libtorch::detail::module_of(m));
-      s->ctx.store(nullptr, std::memory_order_release);
-#if defined(DPARALLEL_LIBTORCH_CUDA)
-      s->stream_guard.reset();
-      s->shard_current = {};
-#endif
-    } catch (...) {  // NOLINT(bugprone-empty-catch): only allocation can fail here; the hooks then stay unbound
+  /// After the step function: the gradients it dropped or replaced become .grad again (those not
+  /// reported ready by autograd's hook with the step function's values copied in; an error when
+  /// they cannot be), and the hooks report to no step.
+  /// Called once the step function returned (its exception is the step's) and, without
+  /// throwing, when the step function threw.
+  static void end_shard(M& m) {
+    auto const s = libtorch::detail::hooks_of(libtorch::detail::module_of(m));
+    std::exception_ptr first;  // every gradient is restored; the first error is reported
+    for (std::size_t i = 0; i < s->params.size(); ++i) {
+      try {
+        if (s->trainable[i]) libtorch::detail::restore_gradient(*s, i, s->marked[i] != 0);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
     }
+    unbind(*s);
+    if (first) std::rethrow_exception(first);
+  }
+
+ private:
+  static void unbind(libtorch::detail::hook_state& s) noexcept {
+    s.ctx.store(nullptr, std::memory_order_release);
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+    s.stream_guard.reset();
+    s.shard_current = {};
+#endif
   }
 };
 
@@ -364,14 +331,36 @@ template <>
 struct batch_traits<at::Tensor> {
   /// Number of samples: size(0); throws invalid_argument for a 0-dimensional tensor.
   static std::size_t size(at::Tensor const& b) {
-    detail::require(b.defined() && b.dim() > 0,
-                    "dparallel: libtorch: expected a batch tensor with a first (batch) dimension, found " +
-                        std::string(b.defined() ? "a 0-dimensional tensor" : "an undefined tensor"));
+    detail::require(b.defined() && b.dim() > 0, [&] {
+      return "libtorch: expected a batch tensor with a first (batch) dimension, found " +
+             std::string(b.defined() ? "a 0-dimensional tensor" : "an undefined tensor");
+    });
     return static_cast<std::size_t>(b.size(0));
   }
   /// Samples [first, last).
   static at::Tensor slice(at::Tensor const& b, std::size_t first, std::size_t last) {
     return b.narrow(0, static_cast<std::int64_t>(first), static_cast<std::int64_t>(last - first));
+  }
+};
+
+/// DataParallel's outputs as torch.nn.DataParallel gathers them: the replicas' tensors concatenated
+/// along dim 0 on options::output_device (0-dimensional ones, e.g. losses, stacked into a vector
+/// of one value per replica), detached (each replica's backward has already run).
+template <>
+struct gather_traits<at::Tensor> {
+  /// One tensor on `to` (the CPU for host devices).
+  static at::Tensor concat(std::vector<at::Tensor>&& outs, device to) {
+    torch::NoGradGuard const no_grad;
+    at::Device const where = to.kind == device_kind::cuda
+                                 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(to.index))
+                                 : at::Device(at::kCPU);
+    bool scalars = true;
+    for (auto& o : outs) {
+      detail::require(o.defined(), "libtorch: gather: a replica's step function returned an undefined tensor");
+      scalars = scalars && o.dim() == 0;
+      o = o.detach().to(where);
+    }
+    return scalars ? torch::stack(outs) : torch::cat(outs, 0);
   }
 };
 

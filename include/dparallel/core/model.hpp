@@ -10,7 +10,8 @@
 // needs a replica on each device: m.make_replica(device), else model_traits<M>::make_replica,
 // else M's copy constructor. Optionally, model_traits<M>::begin_shard(M&, step_context&) and
 // end_shard(M&) bracket every run of the step function on a replica (adapters use them to route
-// a framework's gradient hooks to step_context::grad_ready, see docs/libtorch.md).
+// a framework's gradient hooks to step_context::grad_ready, see docs/libtorch.md); end_shard may
+// throw after a step function that returned, which fails the step.
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
@@ -264,7 +265,9 @@ concept traits_end_shard = requires(M& m) { model_traits<M>::end_shard(m); };
 
 /// Brackets one run of the step function on `m`: model_traits<M>::begin_shard(m, ctx) when the
 /// scope opens and end_shard(m) when it closes, for the models whose traits have them (nothing
-/// for the others).
+/// for the others). close() ends it once the step function returned: end_shard may then throw (an
+/// adapter's check of what the step function left), and that is the step's error; a scope left
+/// by an exception calls end_shard and ignores what it throws.
 template <class M>
 class shard_scope {
  public:
@@ -274,12 +277,24 @@ class shard_scope {
   }
   shard_scope(shard_scope const&) = delete;
   shard_scope& operator=(shard_scope const&) = delete;
-  ~shard_scope() {
+  /// The step function returned: end_shard now, letting its exception out.
+  void close() {
+    open_ = false;
     if constexpr (traits_end_shard<M>) model_traits<M>::end_shard(m_);
+  }
+  ~shard_scope() {
+    if constexpr (traits_end_shard<M>) {
+      if (!open_) return;
+      try {
+        model_traits<M>::end_shard(m_);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the step function's own exception is the step's error
+      }
+    }
   }
 
  private:
   M& m_;
+  bool open_ = true;
 };
 }  // namespace detail
 
