@@ -93,6 +93,30 @@ TEST_CASE("libtorch: frozen parameters get no .grad and stay unchanged, as in Py
     CHECK(torch::equal(m->fc1->weight, frozen_before));
     CHECK(relative(flat(m), ref) <= 1e-5);
   }
+  SECTION("DataParallel: the replicas follow the module's flags when they change between steps") {
+    // fc1.weight frozen for 7 steps, then trainable; fc2.bias frozen from step 12 on.
+    auto const flags = [](Net& m, int s) {
+      if (s == 7) m->fc1->weight.set_requires_grad(true);
+      if (s == 12) m->fc2->bias.set_requires_grad(false);
+    };
+    Net lone = frozen_copy(f);
+    auto lone_opt = sgd(lone);
+    Net m = frozen_copy(f);
+    dpl::data_parallel<Net> dp(m, host_devices(3));
+    auto opt = sgd(m);
+    for (int s = 0; s < steps; ++s) {
+      flags(lone, s);
+      flags(m, s);
+      lone->zero_grad(/*set_to_none=*/false);  // what the adapter does: fc2.bias keeps a zero .grad
+      step_fn(lone, batch_t{f.x, f.y});
+      lone_opt.step();
+      dp.step(batch_t{f.x, f.y}, step_fn);
+      opt.step();
+    }
+    CHECK(dp.replica(2)->fc1->weight.requires_grad());
+    CHECK_FALSE(dp.replica(2)->fc2->bias.requires_grad());
+    CHECK(relative(flat(m), flat(lone)) <= 1e-5);
+  }
   SECTION("DDP over 2 thread ranks, without find_unused_parameters, with and without bucket views") {
     for (auto const& opts : {dpl::options{}, bucket_view()}) {
       std::vector<Net> nets{frozen_copy(f), frozen_copy(f)};

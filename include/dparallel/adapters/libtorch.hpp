@@ -176,19 +176,15 @@ struct model_traits<M> {
   /// out alike (what gradient_as_bucket_view needs).
   static std::vector<tensor_ref> gradients(M& m) {
     auto& mod = libtorch::detail::module_of(m);
+    auto const s = libtorch::detail::hooks_of(mod);
     auto const named = mod.named_parameters(true);
     libtorch::detail::allocate_missing_gradients(named);
-    std::shared_ptr<libtorch::detail::hook_state> frozen;
     std::vector<tensor_ref> out;
     out.reserve(named.size());
     for (std::size_t i = 0; i < named.size(); ++i) {
       at::Tensor const& p = named[i].value();
-      if (p.requires_grad()) {
-        out.push_back(libtorch::view(p.grad(), named[i].key() + ".grad"));
-      } else {
-        if (!frozen) frozen = libtorch::detail::hooks_of(mod);
-        out.push_back(libtorch::view(libtorch::detail::frozen_gradient(*frozen, i, p), named[i].key() + ".grad"));
-      }
+      at::Tensor const& g = p.requires_grad() ? p.grad() : libtorch::detail::frozen_gradient(*s, i, p);
+      out.push_back(libtorch::view(g, named[i].key() + ".grad"));
     }
     return out;
   }
@@ -236,7 +232,8 @@ struct model_traits<M> {
     return libtorch::detail::shapes_of(libtorch::detail::module_of(m).named_buffers(true));
   }
   /// A deep copy by Module::clone(), on GPU `d.index` for a CUDA device, with the source's
-  /// frozen parameters frozen (clone() makes every parameter trainable again).
+  /// requires_grad flags (as Python's copy.deepcopy keeps them; clone() makes every parameter
+  /// trainable).
   static M make_replica(M const& m, device d) {
     using impl = typename libtorch::detail::module_type<M>::type;
     static_assert(std::derived_from<impl, torch::nn::Cloneable<impl>>,
@@ -247,15 +244,17 @@ struct model_traits<M> {
     if (d.kind == device_kind::cuda) to = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(d.index));
     auto typed = std::dynamic_pointer_cast<impl>(src.clone(to));
     dparallel::detail::require(typed != nullptr, "libtorch: clone() returned another module type");
-    auto const from = src.parameters(true);
-    auto to_params = typed->parameters(true);
-    for (std::size_t i = 0; i < from.size() && i < to_params.size(); ++i)
-      if (to_params[i].requires_grad() != from[i].requires_grad())
-        to_params[i].set_requires_grad(from[i].requires_grad());
+    libtorch::detail::follow_requires_grad(*typed, src);
     if constexpr (libtorch::detail::is_shared_module<M>::value)
       return typed;
     else
       return M(std::move(typed));
+  }
+  /// DataParallel, before each step: replica `r` takes the module's requires_grad flags, as
+  /// torch.nn.DataParallel's replicas do at every forward (a parameter frozen or unfrozen between
+  /// steps is so on every device).
+  static void follow_master(M& r, M& master) {
+    libtorch::detail::follow_requires_grad(libtorch::detail::module_of(r), libtorch::detail::module_of(master));
   }
   /// Before the step function runs on replica `m`: hooks installed (once) and bound to `ctx`,
   /// gradients zeroed in place (and kept, see restore_gradient), frozen parameters' zeros marked
@@ -283,7 +282,8 @@ struct model_traits<M> {
         if (s->trainable[i]) {
           if (p.grad().defined()) p.mutable_grad().zero_();
           s->handed[i] = p.grad();
-        } else {
+        } else {  // a .grad left from before it was frozen is zeroed too, as zero_grad(false) would
+          if (p.grad().defined()) p.mutable_grad().zero_();
           libtorch::detail::frozen_gradient(*s, i, p).zero_();
         }
       }

@@ -156,6 +156,14 @@ inline void install_hooks(torch::nn::Module& m, std::shared_ptr<hook_state> cons
   }
 }
 
+/// Makes each parameter of `replica` trainable or frozen as the same parameter of `source` is.
+inline void follow_requires_grad(torch::nn::Module& replica, torch::nn::Module& source) {
+  auto const from = source.parameters(true);
+  auto to = replica.parameters(true);
+  for (std::size_t i = 0; i < from.size() && i < to.size(); ++i)
+    if (to[i].requires_grad() != from[i].requires_grad()) to[i].set_requires_grad(from[i].requires_grad());
+}
+
 /// Frozen parameter `i`'s gradient: zeros of its shape that the adapter owns, made once.
 inline at::Tensor const& frozen_gradient(hook_state& s, std::size_t i, at::Tensor const& p) {
   if (s.frozen.size() <= i) s.frozen.resize(i + 1);

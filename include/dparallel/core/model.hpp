@@ -11,7 +11,10 @@
 // else M's copy constructor. Optionally, model_traits<M>::begin_shard(M&, step_context&) and
 // end_shard(M&) bracket every run of the step function on a replica (adapters use them to route
 // a framework's gradient hooks to step_context::grad_ready, see docs/libtorch.md); end_shard may
-// throw after a step function that returned, which fails the step.
+// throw after a step function that returned, which fails the step. DataParallel calls
+// model_traits<M>::follow_master(M& replica, M& master), where it exists, before each step reads
+// a replica's tensors (an adapter copies state that is not a tensor, such as which parameters are
+// frozen).
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
@@ -262,6 +265,8 @@ template <class M>
 concept traits_begin_shard = requires(M& m, step_context& c) { model_traits<M>::begin_shard(m, c); };
 template <class M>
 concept traits_end_shard = requires(M& m) { model_traits<M>::end_shard(m); };
+template <class M>
+concept traits_follow_master = requires(M& r, M& m) { model_traits<M>::follow_master(r, m); };
 
 /// Brackets one run of the step function on `m`: model_traits<M>::begin_shard(m, ctx) when the
 /// scope opens and end_shard(m) when it closes, for the models whose traits have them (nothing

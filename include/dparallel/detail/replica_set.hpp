@@ -70,6 +70,8 @@ struct replica_set {
     grads.resize(size());
     bufs.resize(size());
     for (std::size_t i = 0; i < size(); ++i) {
+      if constexpr (detail::traits_follow_master<Model>)  // DataParallel's replicas (not the master)
+        if (models[i] != master) model_traits<Model>::follow_master(*models[i], *master);
       assign_refs(params[i], dparallel::parameters(*models[i]));
       assign_refs(grads[i], dparallel::gradients(*models[i]));
       assign_refs(bufs[i], dparallel::buffers(*models[i]));
