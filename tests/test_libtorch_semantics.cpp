@@ -27,7 +27,7 @@ using namespace libtorch_fixture;
 
 namespace {
 
-// SGD with weight decay: a frozen parameter that were given a zero .grad would shrink.
+// SGD with weight decay: a frozen parameter given a zero .grad would shrink.
 torch::optim::SGD sgd(Net& m) {
   return torch::optim::SGD(m->parameters(), torch::optim::SGDOptions(lr).weight_decay(0.1));
 }
