@@ -176,13 +176,14 @@ struct model_traits<M> {
   /// out alike (what gradient_as_bucket_view needs).
   static std::vector<tensor_ref> gradients(M& m) {
     auto& mod = libtorch::detail::module_of(m);
-    auto const s = libtorch::detail::hooks_of(mod);
     auto const named = mod.named_parameters(true);
     libtorch::detail::allocate_missing_gradients(named);
+    std::shared_ptr<libtorch::detail::hook_state> s;  // looked up for the first frozen parameter
     std::vector<tensor_ref> out;
     out.reserve(named.size());
     for (std::size_t i = 0; i < named.size(); ++i) {
       at::Tensor const& p = named[i].value();
+      if (!p.requires_grad() && !s) s = libtorch::detail::hooks_of(mod);
       at::Tensor const& g = p.requires_grad() ? p.grad() : libtorch::detail::frozen_gradient(*s, i, p);
       out.push_back(libtorch::view(g, named[i].key() + ".grad"));
     }
