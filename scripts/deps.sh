@@ -38,11 +38,22 @@ dparallel_ensure_bench_packages() {
   dparallel_ensure_packages
 }
 
-# .ci/run packs the GPU check and builds the libtorch adapter: their packages, on top of the build's.
+# scripts/test runs every test: the libtorch adapter's and the comparisons with PyTorch too, so it
+# installs their packages on top of the build's (without them those tests would not be built).
+dparallel_test_packages=(
+  libtorch-dev           # the libtorch adapter (dparallel::libtorch), its test and examples/train_torch
+  python3-torch          # the comparisons with PyTorch (sampler, DP/DDP steps, optimizers, ZeRO-1, state dicts)
+)
+
+dparallel_ensure_test_packages() {
+  dparallel_packages+=("${dparallel_test_packages[@]}")
+  dparallel_ensure_packages
+}
+
+# .ci/run also packs the GPU check: its packages, on top of the tests'.
 dparallel_ci_packages=(
   xz-utils python3       # scripts/gpu-pack compresses, scripts/gpu-check unpacks
-  libtorch-dev           # the libtorch adapter (dparallel::libtorch), its test and examples/train_torch
-  python3-torch          # libtorch:python_load_state_dict and benchmarks/torch_adapter's PyTorch DDP side
+  "${dparallel_test_packages[@]}"
 )
 
 dparallel_ensure_ci_packages() {
