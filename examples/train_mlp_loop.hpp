@@ -109,8 +109,10 @@ struct updater {
   std::function<void(double lr)> step;
   std::function<void(dparallel::checkpoint&)> add_state;  // empty: no state (plain SGD)
   // ZeRO-1: the sharded state in files of its own beside the checkpoint (zero_state_path), saved
-  // and loaded by every rank together (optim/zero_checkpoint.hpp). Empty otherwise.
-  std::function<void(std::string const& checkpoint)> save_files, load_files;
+  // and loaded by every rank together (optim/zero_checkpoint.hpp), before the checkpoint, whose
+  // progress records which save goes with it. Empty otherwise.
+  std::function<void(std::string const& checkpoint, dparallel::training_progress& p)> save_files;
+  std::function<void(std::string const& checkpoint, dparallel::training_progress const& p)> load_files;
 };
 
 /// Where --zero 1 keeps the optimizer state of checkpoint `c`: "run.ckpt" -> "run.optim.ckpt"
@@ -166,8 +168,16 @@ updater make_zero_update(config const& cfg, Wrapper& w) {
               opt->step(lr);
             },
             {},
-            [opt, mode](std::string const& c) { optim::save_zero_state(zero_state_path(c), *opt, mode); },
-            [opt](std::string const& c) { optim::load_zero_state(zero_state_path(c), *opt); }};
+            [opt, mode](std::string const& c, dparallel::training_progress& p) {
+              optim::save_zero_state(zero_state_path(c), *opt, mode).record(p);
+            },
+            [opt](std::string const& c, dparallel::training_progress const& p) {
+              auto const id = optim::zero_state_id::recorded(p);
+              if (!id)
+                throw dparallel::error(c + " records no ZeRO-1 optimizer state (it was not saved with --zero 1): "
+                                           "its optimizer state, if it has one, is inside it; resume it without --zero 1");
+              optim::load_zero_state(zero_state_path(c), *opt, id);
+            }};
   });
 }
 
@@ -263,7 +273,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
   load_optimizer_state(cfg, update, master);
   if (!cfg.resume.empty() && update.load_files) {  // every rank
     try {
-      update.load_files(cfg.resume);
+      update.load_files(cfg.resume, start.progress);
     } catch (dparallel::error const& e) {
       throw std::runtime_error("--resume --zero 1: " + std::string(e.what()));
     }
@@ -345,7 +355,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
     r.early_steps = static_cast<std::size_t>(p.step);
     r.early = r.params;
   }
-  if (!cfg.save_checkpoint.empty() && update.save_files) update.save_files(cfg.save_checkpoint);  // every rank
+  if (!cfg.save_checkpoint.empty() && update.save_files) update.save_files(cfg.save_checkpoint, p);  // every rank
   if (reports) save_outputs(cfg, data, p, host_model(master), update.add_state);
   return r;
 }

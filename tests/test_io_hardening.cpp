@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +21,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <sys/resource.h>
@@ -252,6 +254,33 @@ TEST_CASE("hardening: a file truncated during a load leaves the model unchanged"
                     Catch::Contains("changed while it was read"));
   CHECK(m.a == a0);
   CHECK(m.b == b0);
+  // Rewritten in place with the same header and other data: the header and the size are as they
+  // were, the file's modification time is not. (Past a clock tick: the times' granularity.)
+  dpl::save_state_dict(p, src);
+  dpl::safetensors_reader const file3(p);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  {
+    auto const tmp = dir / "other.safetensors";
+    dpl::save_state_dict(tmp, other);  // the same names, dtypes and shapes: the same header
+    std::ifstream in(tmp, std::ios::binary);
+    std::vector<char> bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    REQUIRE(bytes.size() == fs::file_size(p));
+    std::fstream out(p, std::ios::binary | std::ios::in | std::ios::out);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  CHECK_THROWS_WITH(dpl::detail::load_named(file3, dpl::state_dict(m), {}, {}, "model"),
+                    Catch::Contains("changed while it was read") && Catch::Contains("written in place"));
+  CHECK(m.a == a0);
+  CHECK(m.b == b0);
+  // A file replaced by a rename is another file: the open reader reads the one it opened.
+  dpl::save_state_dict(p, src);
+  dpl::safetensors_reader const file4(p);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  dpl::save_state_dict(p, other);
+  dpl::detail::load_named(file4, dpl::state_dict(m), {}, {}, "model");
+  pair_net want;
+  want.fill(1);
+  CHECK(m.a == want.a);
 }
 
 TEST_CASE("hardening: a save removes the temporaries a killed writer left, and only those", "[io][atomic]") {

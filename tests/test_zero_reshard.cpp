@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <mutex>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -145,10 +146,9 @@ TEST_CASE("ZeRO-1 state saved on N ranks resumes on M ranks bitwise, in both sav
         auto const got = two_legs({kind::zero, n, mode}, {kind::zero, m}, dir, tiny);
         CHECK(got == want);
         CHECK(want.front() != want.back());  // the run moved the parameters
-        if (mode == optim::zero_save_mode::sharded) {
-          for (int r = 0; r < n; ++r) CHECK(fs::exists(optim::zero_shard_path(dir / "opt.safetensors", r, n)));
-          CHECK_FALSE(fs::exists(dir / "opt.safetensors"));
-        }
+        auto const files = optim::zero_state_files(dir / "opt.safetensors");  // the commit, then the shards
+        CHECK(files.size() == (mode == optim::zero_save_mode::sharded ? static_cast<std::size_t>(n) + 1 : 1));
+        for (auto const& f : files) CHECK(fs::exists(f));
       }
     }
   }
@@ -271,9 +271,9 @@ TEST_CASE("A ZeRO-1 shard set missing a rank's file, another optimizer's or anot
   };
   SECTION("a missing shard file") {
     save(optim::adamw(), test::zero_sizes(), optim::zero_save_mode::sharded);
-    fs::remove(optim::zero_shard_path(path, 1, 3));
+    fs::remove(optim::zero_state_files(path).at(2));  // after the manifest: rank 0's, rank 1's, rank 2's
     for (auto const& e : load_fails(path, 2, test::zero_sizes())) {
-      CHECK_THAT(e, Catch::Contains("misses rank 1's file") && Catch::Contains("opt.rank1-of-3.safetensors"));
+      CHECK_THAT(e, Catch::Contains("misses rank 1's file") && Catch::Contains(".rank1-of-3.safetensors"));
       CHECK_THAT(e, Catch::Contains("nothing was loaded"));
     }
   }
@@ -332,6 +332,13 @@ TEST_CASE("A ZeRO-1 save replaces what earlier saves to the same path left, in e
          }))
       CHECK(e.empty());
     CHECK(loaded == std::vector<std::uint64_t>(2, static_cast<std::uint64_t>(s.steps)));
-    CHECK(fs::exists(path) == (s.mode == optim::zero_save_mode::gathered));
+    // The committed save and the one before it stay (Note [ZeRO save sets]); no other save's file.
+    std::set<std::string> sets;
+    for (auto const& f : fs::directory_iterator(dir))
+      if (f.path() != path) sets.insert(f.path().filename().string().substr(4, 16));  // "opt.<set>..."
+    CHECK(sets.size() <= 2);
+    auto const committed = optim::zero_state_files(path);
+    REQUIRE(committed.size() == (s.mode == optim::zero_save_mode::sharded ? static_cast<std::size_t>(s.world) + 1 : 1));
+    if (committed.size() > 1) CHECK(sets.contains(committed[1].filename().string().substr(4, 16)));
   }
 }

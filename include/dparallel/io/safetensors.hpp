@@ -33,6 +33,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/detail/atomic_file.hpp>
+#include <dparallel/io/detail/file_watch.hpp>
 #include <dparallel/io/detail/json.hpp>
 #include <dparallel/io/detail/printable.hpp>
 #include <dparallel/io/detail/safetensors_header.hpp>
@@ -115,8 +116,16 @@ class safetensors_reader {
     std::error_code ec;
     std::uint64_t const size = std::filesystem::file_size(path_, ec);
     if (ec) throw error("dparallel: could not open " + where + ": " + ec.message());
-    in_.open(path_, std::ios::binary);
-    if (!in_) throw error("dparallel: could not open " + where + " for reading");
+    // The watch and the stream must be the same file: a rename over `path` between the two opens
+    // (a writer replacing it) is retried.
+    for (int tries = 0; tries < 3; ++tries) {
+      watch_ = detail::file_watch(path_);
+      in_.close();
+      in_.clear();
+      in_.open(path_, std::ios::binary);
+      if (!in_) throw error("dparallel: could not open " + where + " for reading");
+      if (watch_.names(path_)) break;
+    }
     auto fail = [&](std::string const& what) {
       return error("dparallel: " + where + ": " + what + "; the file is corrupt or not a safetensors file");
     };
@@ -195,14 +204,16 @@ class safetensors_reader {
                   " (the file changed or was truncated while it was read)");
   }
 
-  /// Throws dparallel::error when the open file no longer has the size and header it had when it
-  /// was opened (it was truncated or rewritten in place). A file replaced by a rename, as
+  /// Throws dparallel::error when the open file was written since it was opened: its size,
+  /// header, or modification and change times differ (it was truncated or rewritten in place; see
+  /// io/detail/file_watch.hpp for the times' granularity). A file replaced by a rename, as
   /// dparallel's own saves do, is not this one: the reader keeps reading the file it opened.
   void verify_unchanged() const {
     auto changed = [&](std::string const& what) {
       return error("dparallel: " + detail::in_quotes(path_.string()) + " changed while it was read (" + what +
                    "); nothing was loaded: load it again once the writer is done");
     };
+    if (auto const what = watch_.changes(); !what.empty()) throw changed(what);
     in_.clear();
     in_.seekg(0, std::ios::end);
     auto const now = static_cast<std::uint64_t>(in_.tellg());
@@ -236,6 +247,7 @@ class safetensors_reader {
  private:
   std::filesystem::path path_;
   mutable std::ifstream in_;
+  detail::file_watch watch_;  // the same file, for fstat
   std::vector<tensor_info> tensors_;
   std::vector<unsupported_tensor> unsupported_;
   std::unordered_map<std::string_view, std::size_t> index_;  // views of the names in tensors_

@@ -46,6 +46,9 @@ namespace optim {
 inline constexpr std::string_view optimizer_metadata_key = "dparallel.optimizer";
 /// The prefix of the tensor names in a file written by save_state.
 inline constexpr std::string_view state_file_prefix = "optim.";
+/// The metadata key of a sharded ZeRO save's manifest (optim/zero_checkpoint.hpp): the world size
+/// of the shard set it names. Such a file holds no tensor: load_zero_state reads it.
+inline constexpr std::string_view zero_manifest_key = "dparallel.zero.manifest";
 
 /// The state of `opt` (built for `model_or_wrapper`) as named tensors: every kept slot of every
 /// parameter, named "<parameter name>.<slot name>" and shaped as the parameter (and its master
@@ -87,6 +90,11 @@ void load_state(std::filesystem::path const& path, optimizer<R, B>& opt, X& mode
   safetensors_reader const file(path);
   std::string const want(detail::rule_name<R>());
   auto const it = file.metadata().find(std::string(optimizer_metadata_key));
+  if (file.metadata().contains(std::string(zero_manifest_key)))
+    throw error("dparallel: " + dparallel::detail::in_quotes(path.string()) +
+                " is the manifest of a sharded ZeRO-1 save (its state is in the shard files it names); load it "
+                "with optim::load_zero_state on a zero_redundancy_optimizer, or save with zero_save_mode::gathered "
+                "to resume on one device or plain DDP");
   if (it == file.metadata().end())
     throw error("dparallel: " + dparallel::detail::in_quotes(path.string()) +
                 " holds no optimizer state (its __metadata__ has no '" + std::string(optimizer_metadata_key) +

@@ -4,14 +4,24 @@
 //
 //   dparallel::zero_redundancy_optimizer opt(w, dparallel::optim::adamw());   // N ranks
 //   ... train ...
-//   dparallel::optim::save_zero_state("opt.safetensors", opt, dparallel::optim::zero_save_mode::sharded);
-//   //   every rank writes its own shard: opt.rank0-of-N.safetensors, ..., in parallel
-//   dparallel::optim::save_zero_state("opt.safetensors", opt, dparallel::optim::zero_save_mode::gathered);
-//   //   rank 0 writes the whole state to opt.safetensors, as optim::save_state names it
+//   auto id = dparallel::optim::save_zero_state("opt.safetensors", opt, dparallel::optim::zero_save_mode::sharded);
+//   //   every rank writes its own shard: opt.<set>.rank0-of-N.safetensors, ..., in parallel; then
+//   //   opt.safetensors, a small manifest naming the set, is replaced (the save's commit)
+//   auto id = dparallel::optim::save_zero_state("opt.safetensors", opt, dparallel::optim::zero_save_mode::gathered);
+//   //   rank 0 writes the whole state to opt.<set>.safetensors and commits it as opt.safetensors,
+//   //   the file optim::save_state would write
+//   id.record(ckpt.progress());   // then save the training checkpoint (rank 0): it names this save
 //
-//   // resuming on M ranks (every rank; any M): the gathered file when it exists, else the shard set
-//   dparallel::optim::load_zero_state("opt.safetensors", opt);
-//   // on one device or plain DDP: optim::load_state("opt.safetensors", unsharded_opt, model)
+//   // resuming on M ranks (every rank; any M): exactly the save the checkpoint names
+//   dparallel::optim::load_zero_state("opt.safetensors", opt, *dparallel::optim::zero_state_id::recorded(ckpt.progress()));
+//   dparallel::optim::load_zero_state("opt.safetensors", opt);   // or: the last committed save
+//   // on one device or plain DDP: optim::load_state("opt.safetensors", unsharded_opt, model) (gathered saves)
+//
+// Crash consistency (Note [ZeRO save sets] in optim/detail/zero_sets.hpp): a save never
+// overwrites a file of an earlier save, and commits by one atomic rename once all its files are
+// written. After a kill at any moment, the committed save and the save the last checkpoint names
+// both load whole, and a save's files never mix with another's. A directory holds the files of at
+// most three saves (the newest, the one before, and the one the optimizer resumed from).
 //
 // Why it reshards exactly: the update rules are elementwise (optim/rule.hpp), so element j of a
 // state slot belongs to element j of one parameter whichever rank holds it. Both modes store the
@@ -35,6 +45,7 @@
 #include <dparallel/io/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
+#include <dparallel/optim/detail/zero_sets.hpp>
 #include <dparallel/optim/detail/zero_shards.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/state.hpp>
@@ -48,6 +59,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -70,15 +82,16 @@ enum class zero_save_mode {
 };
 
 /// Saves the state of `opt` (every kept slot, and the step count) for resuming on any number of
-/// ranks: `mode` sharded writes zero_shard_path(path, rank, N) on every rank, in parallel;
-/// gathered writes `path` on rank 0 (optim::save_state's file: optim::load_state reads it). Then
-/// rank 0 removes what earlier saves in the other mode or at other world sizes left under the same
-/// `path`, so that load_zero_state finds this save's files only. Collective: every rank
-/// of the wrapper's group calls it with the same arguments; an error on any rank (a file that
-/// cannot be written, a first step not yet taken) is raised on every rank. Each file is written
-/// atomically.
+/// ranks, and returns the save's identity (record it in the training checkpoint written after it).
+/// `mode` sharded writes zero_shard_path(<set>, rank, N) on every rank, in parallel, then rank 0
+/// replaces `path` with a manifest naming the set; gathered writes the set's file on rank 0 and
+/// commits it as `path` (optim::save_state's file: optim::load_state reads it). Then rank 0
+/// removes the files of older saves to `path` but the last two (Note [ZeRO save sets]).
+/// Collective: every rank of the wrapper's group calls it with the same arguments; an error on
+/// any rank (a file that cannot be written, a first step not yet taken) is raised on every rank,
+/// and the previous save stays the committed one.
 template <update_rule R, class W>
-void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimizer<R, W>& opt, zero_save_mode mode) {
+zero_state_id save_zero_state(std::filesystem::path const& path, zero_redundancy_optimizer<R, W>& opt, zero_save_mode mode) {
   using access = detail::zero_state_access;
   opt.wait_gathers();  // zero_options::overlap_gather: no gather left in flight under the collectives below
   auto& w = access::wrapper(opt);
@@ -92,12 +105,29 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
            ": expected an optimizer that has taken a step (its state is laid out at the first step), found none; "
            "save after opt.step(), or save nothing yet";
   });
+  // Rank 0 names the set; every rank writes under that name.
+  std::vector<std::int64_t> name(1, rank == 0 ? static_cast<std::int64_t>(detail::new_set_number()) : 0);
+  group.broadcast(view(name), 0).wait();
+  zero_state_id id{detail::set_name(static_cast<std::uint64_t>(name[0])), opt.steps()};
+  auto const base = detail::set_base(path, id.set);
   auto const& r = w.reducer();
   auto step = static_cast<std::int64_t>(opt.steps());
   named_tensor const step_tensor{pre + l.rule + ".step", tensor_ref(&step, 1, dtype::i64, host_memory),
                                  std::vector<std::uint64_t>{1}};
-  safetensors_metadata meta{{"format", "pt"}, {std::string(optimizer_metadata_key), l.rule}};
+  safetensors_metadata meta{{"format", "pt"}, {std::string(optimizer_metadata_key), l.rule}, {std::string(zero_set_key), id.set}};
   auto const slot_name = [&](std::size_t i, std::size_t k) { return pre + l.names[i] + "." + std::string(l.slot_name(k)); };
+  // Rank 0, once the set is whole on disk: the commit, then the sets no longer needed.
+  auto const commit = [&](auto&& replace) {
+    if (rank != 0) return;
+    std::set<std::string> keep{id.set, access::state_set(opt)};
+    try {
+      if (auto const before = detail::read_commit(path)) keep.insert(before->set);
+    } catch (error const&) {  // a damaged commit is replaced: it named no set that loads
+    }
+    replace();
+    detail::zero_save_probe("committed");
+    detail::remove_sets_except(path, keep);
+  };
   if (mode == zero_save_mode::sharded) {
     detail::on_every_rank(group, "save_zero_state", [&] {
       std::vector<named_tensor> tensors;
@@ -113,10 +143,13 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
       meta["dparallel.zero.rank"] = std::to_string(rank);
       meta["dparallel.zero.world_size"] = std::to_string(world);
       tensors.push_back(step_tensor);
-      save_safetensors(zero_shard_path(path, rank, world), tensors, meta);
+      save_safetensors(zero_shard_path(base, rank, world), tensors, meta);
+      detail::zero_save_probe("shard written");
     });
-    if (rank == 0) detail::remove_other_saves(path, world);
-    return;
+    detail::on_every_rank(group, "save_zero_state",
+                          [&] { commit([&] { detail::commit_manifest(path, id.set, world, l.rule); }); });
+    access::state_set(opt) = id.set;
+    return id;
   }
   // Gathered: each bucket's slot shards are all-gathered, rank 0 cuts the parameters out.
   std::vector<std::vector<float>> full(rank == 0 ? l.slot_tables() : 0);
@@ -144,33 +177,78 @@ void save_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
     for (std::size_t i = 0; i < np; ++i)
       for (std::size_t k = 0; k < l.kept(i); ++k) tensors.push_back({slot_name(i, k), view(full[k * np + i]), l.shapes[i]});
     tensors.push_back(step_tensor);
-    save_safetensors(path, tensors, meta);
-    detail::remove_other_saves(path, 0);
+    save_safetensors(base, tensors, meta);
+    detail::zero_save_probe("set written");
+    commit([&] { detail::commit_gathered(path, base); });
   });
+  access::state_set(opt) = id.set;
+  return id;
 }
 
+/// The files of the save committed at `path` (the manifest or gathered file first, then the shard
+/// files): what to copy to move the optimizer state elsewhere. Empty when nothing was saved there.
+inline std::vector<std::filesystem::path> zero_state_files(std::filesystem::path const& path) {
+  auto const c = detail::read_commit(path);
+  if (!c) return {};
+  std::vector<std::filesystem::path> out{path};
+  if (c->world > 0)
+    for (int r = 0; r < c->world; ++r) out.push_back(zero_shard_path(detail::set_base(path, c->set), r, c->world));
+  return out;
+}
+
+namespace detail {
+/// Stages the save `id` names (the committed one when `id` is empty), or the committed save.
+inline zero_staged stage_save(std::filesystem::path const& path, zero_layout const& l, std::string const& rank,
+                              std::optional<zero_state_id> const& id) {
+  auto const c = read_commit(path);
+  auto const where = "load_zero_state on rank " + rank + ": ";
+  if (!id || (c && c->set == id->set)) {
+    if (!c) return stage_shards(path, l, rank);  // a save older than sets: its shard files beside `path`
+    if (c->world > 0) return stage_shards(set_base(path, c->set), l, rank, c->set);
+    return stage_gathered(path, l, rank);
+  }
+  auto const base = set_base(path, id->set);
+  if (std::filesystem::exists(base)) return stage_gathered(base, l, rank);
+  if (shard_sets(base).empty())
+    throw error("dparallel: " + where + "the checkpoint names ZeRO save " + in_quotes(id->set) + " (step " +
+                std::to_string(id->step) + "), but no file of it is beside " + in_quotes(path.string()) +
+                (c ? " (which holds save " + in_quotes(c->set) + ")" : std::string(" (nothing was saved there)")) +
+                "; nothing was loaded: copy that save's files with the checkpoint (optim::zero_state_files)");
+  return stage_shards(base, l, rank, id->set);
+}
+}  // namespace detail
+
 /// Restores the state of `opt` from what save_zero_state (either mode, any world size) or
-/// optim::save_state wrote to `path`: the gathered file when `path` exists, else the one shard
-/// set beside it. Each rank reads and validates the whole state into host memory (its new shard is
-/// known only once the bucket plan is final, at the first step), then keeps its shard: at once
-/// when the optimizer has stepped, else when the first step lays the state out. Collective: when
-/// any rank fails (a missing shard file, another optimizer or model, a damaged file) every rank
-/// throws, naming the file, tensor or rank, and no rank's state or step count changed.
+/// optim::save_state wrote to `path`: the save `id` names (as a training checkpoint recorded it),
+/// else the committed one. Each rank reads and validates the whole state into host memory (its
+/// new shard is known only once the bucket plan is final, at the first step), then keeps its
+/// shard: at once when the optimizer has stepped, else when the first step lays the state out.
+/// Collective: when any rank fails (a missing shard file, a file of another save, another
+/// optimizer or model, a damaged file, a step count other than `id`'s) every rank throws, naming
+/// the file, tensor or rank, and no rank's state or step count changed.
 template <update_rule R, class W>
-void load_zero_state(std::filesystem::path const& path, zero_redundancy_optimizer<R, W>& opt) {
+void load_zero_state(std::filesystem::path const& path, zero_redundancy_optimizer<R, W>& opt,
+                     std::optional<zero_state_id> const& id = std::nullopt) {
   using access = detail::zero_state_access;
   opt.wait_gathers();
   auto& group = access::wrapper(opt).group();
   std::string const rank = std::to_string(group.rank());
   auto const l = detail::layout_of(opt);
   auto st = std::make_shared<detail::zero_staged>();
+  std::string set;
   detail::on_every_rank(group, "load_zero_state", [&] {
-    *st = std::filesystem::is_regular_file(path) ? detail::stage_gathered(path, l, rank)
-                                                 : detail::stage_shards(path, l, rank);
+    *st = detail::stage_save(path, l, rank, id);
     if (st->step < 0)
       throw error("dparallel: load_zero_state on rank " + rank + ": " + dparallel::detail::in_quotes(path.string()) +
                   " says " + std::to_string(st->step) + " steps were taken; expected a count >= 0");
+    if (id && static_cast<std::uint64_t>(st->step) != id->step)
+      throw error("dparallel: load_zero_state on rank " + rank + ": ZeRO save " + dparallel::detail::in_quotes(id->set) +
+                  " holds step " + std::to_string(st->step) + ", the checkpoint expects step " + std::to_string(id->step) +
+                  "; nothing was loaded");
+    if (auto const c = detail::read_commit(path); id) set = id->set;
+    else if (c) set = c->set;
   });
+  access::state_set(opt) = set;
   access::restore(opt, static_cast<std::uint64_t>(st->step), [&opt, st, l] {
     std::size_t const np = l.sizes.size();
     for (auto const& q : detail::zero_pieces(access::wrapper(opt).reducer(), l.sizes))

@@ -468,6 +468,7 @@ class zero_redundancy_optimizer {
   std::vector<tensor_ref> shards_;  // gradient_shards()
   std::vector<work> works_;
   std::function<void()> restore_;  // fills the state at its allocation from a loaded checkpoint
+  std::string state_set_;  // the ZeRO save set last loaded or saved (optim/detail/zero_sets.hpp)
 };
 
 DPARALLEL_NAMESPACE_END

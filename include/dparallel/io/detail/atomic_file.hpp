@@ -141,6 +141,21 @@ inline void remove_stale_temporaries(std::filesystem::path const& target) {
 #endif
 }
 
+/// Makes the changes of the directory entries beside `target` (a rename) durable. Best effort:
+/// some file systems refuse to sync a directory.
+inline void sync_directory_of(std::filesystem::path const& target) {
+#if DPARALLEL_IO_POSIX
+  std::filesystem::path const dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+  int const dfd = ::open(dir.c_str(), O_RDONLY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)::fsync(dfd);
+    ::close(dfd);
+  }
+#else
+  (void)target;
+#endif
+}
+
 /// Writes a file atomically: `writer` fills a temporary file in the same directory, which is
 /// flushed, synced (fsync) and renamed over `target`; on POSIX the directory is synced too, so the
 /// rename survives a crash. Throws dparallel::error naming the file and the cause; whatever
@@ -223,15 +238,7 @@ inline void write_file_atomically(std::filesystem::path const& target, std::func
     throw;
   }
 
-#if DPARALLEL_IO_POSIX
-  // Make the rename itself durable. Best effort: some file systems refuse to sync a directory.
-  std::filesystem::path const dir = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
-  int const dfd = ::open(dir.c_str(), O_RDONLY | O_CLOEXEC);
-  if (dfd >= 0) {
-    (void)::fsync(dfd);
-    ::close(dfd);
-  }
-#endif
+  sync_directory_of(target);  // the rename itself durable
 }
 
 }  // namespace detail

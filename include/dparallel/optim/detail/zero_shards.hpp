@@ -14,6 +14,7 @@
 #include <dparallel/io/state_dict.hpp>
 #include <dparallel/optim/element.hpp>
 #include <dparallel/optim/optimizer.hpp>
+#include <dparallel/optim/detail/zero_sets.hpp>
 #include <dparallel/optim/state.hpp>
 
 #include <algorithm>
@@ -71,6 +72,9 @@ struct zero_state_access {
     if (z.allocated_) fill();
     else z.restore_ = std::move(fill);
   }
+  /// The save set the optimizer last loaded or saved ("" when none; Note [ZeRO save sets]).
+  template <class Z>
+  static std::string& state_set(Z& z) noexcept { return z.state_set_; }
 };
 
 /// A piece of a parameter in a rank's shard: its elements [begin, end) at element `at` of the
@@ -221,24 +225,12 @@ inline std::map<int, std::vector<std::filesystem::path>> shard_sets(std::filesys
   return sets;
 }
 
-/// Removes what earlier saves to `path` left that this one did not write: the gathered file when
-/// `world` > 0 (this save is a shard set of `world` ranks), and shard sets of other world sizes.
-/// A file that cannot be removed only makes the next load refuse, naming it.
-inline void remove_other_saves(std::filesystem::path const& path, int world) {
-  std::error_code ec;
-  if (world > 0) std::filesystem::remove(path, ec);
-  for (auto const& [n, files] : shard_sets(path))
-    if (n != world)
-      for (auto const& f : files) std::filesystem::remove(f, ec);
-}
-
 /// The world size of the one shard set saved to `path`; throws when there is none or several.
 inline int shard_world(std::filesystem::path const& path, std::string const& rank) {
   auto const sets = shard_sets(path);
   if (sets.empty())
-    throw error("dparallel: load_zero_state on rank " + rank + ": found neither the gathered file " +
-                in_quotes(path.string()) + " nor shard files " + in_quotes(zero_shard_path(path, 0, 0).string()) +
-                " (rank 0 of N, ...) beside it; expected the path given to save_zero_state");
+    throw error("dparallel: load_zero_state on rank " + rank + ": found no ZeRO save at " + in_quotes(path.string()) +
+                " (no such file, and no shard files of a save beside it); expected the path given to save_zero_state");
   if (sets.size() > 1) {
     std::string list;
     for (auto const& s : sets) list += (list.empty() ? "" : ", ") + std::to_string(s.first);
@@ -255,8 +247,10 @@ struct file_piece {
   std::uint64_t begin, end;
 };
 
-/// The state in the shard set saved to `path` by any number of ranks, validated and staged.
-inline zero_staged stage_shards(std::filesystem::path const& path, zero_layout const& l, std::string const& rank) {
+/// The state in the shard set saved to `path` by any number of ranks, validated and staged; with
+/// `set` given, every file must belong to that save set (Note [ZeRO save sets]).
+inline zero_staged stage_shards(std::filesystem::path const& path, zero_layout const& l, std::string const& rank,
+                                std::string_view set = {}) {
   int const world = shard_world(path, rank);
   std::string const pre(state_file_prefix), step_name = l.rule + ".step";
   std::size_t const np = l.sizes.size();
@@ -280,6 +274,12 @@ inline zero_staged stage_shards(std::filesystem::path const& path, zero_layout c
       return error("dparallel: load_zero_state on rank " + rank + ": " + where + ": " + what + "; nothing was loaded");
     };
     require_rule(f, l.rule, rank);
+    if (!set.empty()) {
+      auto const s = f.metadata().find(std::string(zero_set_key));
+      if (s == f.metadata().end() || s->second != set)
+        throw fail("it belongs to save " + in_quotes(s == f.metadata().end() ? std::string() : s->second) +
+                   ", expected save " + in_quotes(set) + " (shard files of different saves)");
+    }
     if (!f.unsupported().empty()) throw fail("tensor " + in_quotes(f.unsupported()[0].name) + " has a dtype dparallel does not handle");
     for (auto const& t : f.tensors()) {
       std::string_view key = t.name;
