@@ -127,11 +127,11 @@ std::vector<float> train(dparallel::world const& w, config const& cfg, fashion_m
       for (std::size_t j = 0; j < plan.size(); ++j) {
         gathered const b = load(data, plan[j]);
         auto out = par.step(b.view(), [](mlp& m, batch shard) { return m.forward_backward(shard); });
-        loss += dparallel::local_mean(par, out);
+        loss += dparallel::global_mean(par, out);  // over every rank's samples: DP and DDP print the same
         sgd(par.module(), cfg.lr);
       }
       if (s.is_main())
-        std::printf("train_generic: epoch %d: mean loss %.4f over %zu steps (rank 0's samples)\n", epoch + 1,
+        std::printf("train_generic: epoch %d: mean loss %.4f over %zu steps\n", epoch + 1,
                     loss / static_cast<double>(plan.size()), plan.size());
     }
     if (s.is_main()) trained = flat(par.module());

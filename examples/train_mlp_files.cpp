@@ -142,6 +142,8 @@ void save_outputs(config const& cfg, training_data const& data, dparallel::train
                              {"sampler_replicas", std::to_string(cfg.sampler_replicas)},
                              {"train_samples", std::to_string(data.train.size())},
                              {"mode", cfg.mode}};
+    for (char const* key : {"zero.set", "zero.step"})  // --zero 1: the optimizer save this checkpoint goes with
+      if (auto const it = progress.extra.find(key); it != progress.extra.end()) ckpt.progress().extra.insert(*it);
     ckpt.save(cfg.save_checkpoint);
     std::printf("train_mlp: saved a checkpoint (epoch %llu, step %llu) to %s\n",
                 static_cast<unsigned long long>(progress.epoch), static_cast<unsigned long long>(progress.step),

@@ -355,6 +355,8 @@ result train(config const& cfg, training_data const& data, start_point const& st
     r.early_steps = static_cast<std::size_t>(p.step);
     r.early = r.params;
   }
+  p.extra.erase("zero.set");  // a resumed checkpoint's optimizer save is not this run's
+  p.extra.erase("zero.step");
   if (!cfg.save_checkpoint.empty() && update.save_files) update.save_files(cfg.save_checkpoint, p);  // every rank
   if (reports) save_outputs(cfg, data, p, host_model(master), update.add_state);
   return r;

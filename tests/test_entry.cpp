@@ -216,3 +216,61 @@ TEST_CASE("local_mean weights DataParallel's per-device losses by shard size", "
   double const want = ref.forward_backward(data.all());
   CHECK(dpl::local_mean(dp, out) == Approx(want).epsilon(1e-6));
 }
+
+TEST_CASE("a batch plan resumed from a saved position visits the batches of an uninterrupted run", "[host][launch][resume]") {
+  for (int replicas : {1, 2, 3}) {
+    INFO(replicas << " replicas");
+    dpl::batch_options const o{.global_batch = 6, .seed = 9, .replicas = replicas};
+    dpl::batch_plan whole(31, replicas, 0, replicas, o);
+    std::vector<std::vector<std::size_t>> want, got;
+    for (std::uint64_t e = 0; e < 3; ++e) {
+      whole.set_epoch(e);
+      for (std::size_t j = 0; j < whole.size(); ++j) want.push_back(whole[j]);
+    }
+    // Stopped after step 2 of epoch 1 (the position it saves), resumed in a fresh plan.
+    whole.set_epoch(1);
+    auto const saved = whole.position_after(2);
+    for (std::uint64_t e = 0; e < 1; ++e) {
+      dpl::batch_plan first(31, replicas, 0, replicas, o);
+      first.set_epoch(e);
+      for (std::size_t j = 0; j < first.size(); ++j) got.push_back(first[j]);
+    }
+    dpl::batch_plan before(31, replicas, 0, replicas, o);
+    before.set_epoch(1);
+    for (std::size_t j = 0; j <= 2; ++j) got.push_back(before[j]);
+    dpl::batch_plan resumed(31, replicas, 0, replicas, o);
+    for (std::uint64_t e = saved.epoch; e < 3; ++e) {
+      std::size_t j = 0;
+      if (e == saved.epoch) j = resumed.resume(saved);
+      resumed.set_epoch(e);  // as a loop does at each epoch's top: keeps the resumed position
+      for (; j < resumed.size(); ++j) got.push_back(resumed[j]);
+    }
+    CHECK(got == want);
+    auto const last = whole.position_after(whole.size() - 1);  // the epoch's end: the next epoch's start
+    CHECK((last.epoch == 2 && last.index == 0));
+  }
+  dpl::batch_plan plan(31, 2, 0, 2, {.global_batch = 6, .replicas = 2});
+  CHECK_THROWS_WITH(plan.resume({0, 4, dpl::shuffle_order::torch}),
+                    Catch::Contains("index 4 is not the start of a step of 3 samples per replica"));
+}
+
+TEST_CASE("global_mean is the loss over every rank's samples: DDP's equals DataParallel's", "[host][launch]") {
+  auto const data = test::dataset<float>::make(9, model().dim, 13, true);
+  model m;
+  dpl::data_parallel<model> dp(m, dpl::host::devices(3));
+  auto const out = dp.step(data.all(), [](model& r, test::samples<float> s) { return r.forward_backward(s); });
+  double const want = dpl::global_mean(dp, out);
+  CHECK(want == dpl::local_mean(dp, out));
+  std::vector<double> got(3);
+  dpl::spawn(3, [&](dpl::rank_context& ctx) {
+    model mine;
+    dpl::distributed_data_parallel<model> ddp(mine, ctx.group());
+    auto const r = static_cast<std::size_t>(ctx.rank());
+    auto const rank_out = ddp.step(dpl::slice_batch(data.all(), r * 3, r * 3 + 3),
+                                   [](model& x, test::samples<float> s) { return x.forward_backward(s); });
+    got[r] = dpl::global_mean(ddp, rank_out);
+  });
+  for (double g : got) CHECK(g == Approx(want).epsilon(1e-6));
+  CHECK(got[0] == got[1]);  // every rank the same value
+  CHECK(got[1] == got[2]);
+}

@@ -348,3 +348,28 @@ TEST_CASE("distributed_sampler rejects bad ranks and replica counts", "[host][sa
   CHECK_THROWS_WITH(distributed_sampler(10, 3, -1), Contains("found rank -1"));
   CHECK_NOTHROW(distributed_sampler(0, 1, 0));
 }
+
+TEST_CASE("distributed_sampler resumes an epoch where a checkpoint's position stands", "[host][sampler][resume]") {
+  dparallel::sampler_options const o{.shuffle = true, .seed = 5};
+  dparallel::distributed_sampler whole(23, 3, 1, o);
+  whole.set_epoch(2);
+  std::vector<std::size_t> const epoch2 = whole.indices();
+  dparallel::distributed_sampler s(23, 3, 1, o);
+  auto const at = whole.position_after(3);  // 3 indices of epoch 2 consumed
+  CHECK(at == dparallel::sampler_position{2, 3, dparallel::shuffle_order::torch});
+  s.resume(at);
+  CHECK(s.epoch() == 2);
+  CHECK(std::vector<std::size_t>(s.begin(), s.end()) == std::vector<std::size_t>(epoch2.begin() + 3, epoch2.end()));
+  s.set_epoch(2);  // a loop's set_epoch at the top of the resumed epoch keeps the position
+  CHECK(s.start() == 3);
+  s.set_epoch(3);  // the next epoch is whole
+  whole.set_epoch(3);
+  CHECK(std::vector<std::size_t>(s.begin(), s.end()) == whole.indices());
+  s.resume({2, s.size(), dparallel::shuffle_order::torch});  // the epoch's end: nothing left of it
+  CHECK(s.begin() == s.end());
+  CHECK_THROWS_WITH(s.resume({2, s.size() + 1, dparallel::shuffle_order::torch}),
+                    Catch::Contains("expected a position within the epoch's 8 indices") &&
+                        Catch::Contains("found index 9"));
+  CHECK_THROWS_WITH(s.resume({2, 1, dparallel::shuffle_order::splitmix64}),
+                    Catch::Contains("taken in shuffle order 'splitmix64', this sampler shuffles in 'torch'"));
+}

@@ -143,6 +143,27 @@ class batch_plan {
   void set_epoch(std::uint64_t epoch) {
     for (auto& s : samplers_) s.set_epoch(epoch);
   }
+  /// Continues where a checkpoint's sampler position stands (checkpoint::progress().sampler, as
+  /// position_after wrote it): selects its epoch and returns the step to run next, so that the
+  /// rest of the run visits exactly the batches an uninterrupted run would. Throws
+  /// invalid_argument when the position is not the start of a step of this plan (another global
+  /// batch or world size), lies past the epoch, or was taken in another shuffle order.
+  [[nodiscard]] std::size_t resume(sampler_position const& p) {
+    detail::require(p.index % per_replica_ == 0, [&] {
+      return "batch_plan::resume: the position's index " + std::to_string(p.index) +
+             " is not the start of a step of " + std::to_string(per_replica_) +
+             " samples per replica (a checkpoint of another global batch or world size?)";
+    });
+    for (auto& s : samplers_) s.resume(p);
+    return static_cast<std::size_t>(p.index) / per_replica_;
+  }
+  /// The position to save after step j of the current epoch: the next step's start, or the next
+  /// epoch's start after the last step. Every participant saves the same one.
+  [[nodiscard]] sampler_position position_after(std::size_t j) const {
+    auto const& s = samplers_.front();
+    if (j + 1 >= size()) return {s.epoch() + 1, 0, s.options().order};
+    return s.position_after((j + 1) * per_replica_);
+  }
   /// Steps per epoch (the last may be smaller than the others when the replicas' share is not a
   /// multiple of their per-step part).
   [[nodiscard]] std::size_t size() const noexcept {
@@ -308,6 +329,25 @@ template <class P, class Out>
       n += size;
     }
     return n == 0 ? 0.0 : sum / static_cast<double>(n);
+  }
+}
+
+/// The mean of a step's loss over every participant's samples, for logging: local_mean under
+/// DataParallel (one process sees the whole batch); under DDP the sample-weighted mean over all
+/// ranks (a collective on the wrapper's group: every rank calls it after the same step, and every
+/// rank gets the same value, so a training function written once prints the same numbers as
+/// DataParallel and DDP).
+template <class P, class Out>
+[[nodiscard]] double global_mean(P const& par, Out const& out) {
+  double const mine = local_mean(par, out);
+  if constexpr (!is_distributed_v<typename P::semantics_type>) {
+    return mine;
+  } else {
+    std::size_t n = 0;
+    for (std::size_t size : par.last_shard_sizes()) n += size;
+    std::vector<double> v{mine * static_cast<double>(n), static_cast<double>(n)};
+    par.group().all_reduce(view(v)).wait();
+    return v[1] == 0 ? 0.0 : v[0] / v[1];
   }
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,11 @@ enum class shuffle_order {
   torch,       ///< torch.randperm's after manual_seed(seed + epoch): DistributedSampler's own order
   splitmix64,  ///< dparallel's earlier order: Fisher-Yates from splitmix64(seed + epoch), without bias
 };
+
+/// The order's name, as a checkpoint stores it ("torch", "splitmix64").
+constexpr std::string_view name_of(shuffle_order o) noexcept {
+  return o == shuffle_order::splitmix64 ? "splitmix64" : "torch";
+}
 
 /// Options of distributed_sampler; the defaults are DistributedSampler's.
 struct sampler_options {
@@ -140,6 +146,19 @@ inline std::vector<std::size_t> epoch_permutation(std::size_t len, std::uint64_t
 
 }  // namespace detail
 
+/// Where a sampler stands: its epoch and how many of this rank's indices of that epoch have been
+/// consumed (the next sample to read is sampler.indices()[index]), and the shuffle order those
+/// indices follow (sampler_options::order), without which the position names other samples.
+struct sampler_position {
+  /// The sampler's epoch.
+  std::uint64_t epoch = 0;
+  /// How many of this rank's indices of that epoch have been consumed.
+  std::uint64_t index = 0;
+  /// The permutation the sampler's shuffled epochs follow (sampler_options::order's default).
+  shuffle_order order = shuffle_order::torch;
+  friend constexpr bool operator==(sampler_position, sampler_position) = default;
+};
+
 /// The samples of one rank, epoch by epoch (torch.utils.data.DistributedSampler).
 ///
 ///   dparallel::distributed_sampler sampler(dataset.size(), rank, {.shuffle = true, .seed = 42});
@@ -186,8 +205,35 @@ class distributed_sampler {
   void set_epoch(std::uint64_t epoch) {
     if (epoch == epoch_) return;
     epoch_ = epoch;
+    start_ = 0;
     compute_indices();
   }
+  /// Continues where a checkpoint's position stands (checkpoint::progress().sampler): selects
+  /// p.epoch and skips the p.index indices of it that were consumed, so that iterating the sampler
+  /// yields the rest of that epoch; a later set_epoch of another epoch starts that one whole (a
+  /// set_epoch of the same epoch, as a loop makes at each epoch's top, keeps the position). Throws
+  /// invalid_argument when the position was taken in another shuffle order or lies past the epoch.
+  void resume(sampler_position const& p) {
+    detail::require(p.order == options_.order, [&] {
+      return std::string("distributed_sampler::resume: the position was taken in shuffle order '") +
+             std::string(name_of(p.order)) + "', this sampler shuffles in '" + std::string(name_of(options_.order)) +
+             "'; build the sampler with .order = the checkpoint's progress().sampler.order";
+    });
+    detail::require(p.index <= num_samples_, [&] {
+      return "distributed_sampler::resume: expected a position within the epoch's " + std::to_string(num_samples_) +
+             " indices of this rank, found index " + std::to_string(p.index) +
+             " (a checkpoint of another dataset size or world size?)";
+    });
+    set_epoch(p.epoch);
+    start_ = static_cast<std::size_t>(p.index);
+  }
+  /// Where this rank stands after consuming `consumed` indices of the current epoch (what a
+  /// checkpoint keeps as progress().sampler; resume() continues from it).
+  [[nodiscard]] sampler_position position_after(std::size_t consumed) const noexcept {
+    return {epoch_, consumed, options_.order};
+  }
+  /// How many indices of the current epoch iteration skips (resume()'s position; 0 after set_epoch).
+  [[nodiscard]] std::size_t start() const noexcept { return start_; }
   /// The epoch set by set_epoch() (0 at first).
   [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_; }
 
@@ -199,8 +245,9 @@ class distributed_sampler {
   }
   /// This rank's indices for the current epoch, in order.
   [[nodiscard]] std::vector<std::size_t> const& indices() const noexcept { return indices_; }
-  /// This rank's first index of the current epoch.
-  [[nodiscard]] const_iterator begin() const noexcept { return indices_.begin(); }
+  /// This rank's first index of the current epoch not yet consumed (the first one, unless resume()
+  /// said otherwise).
+  [[nodiscard]] const_iterator begin() const noexcept { return indices_.begin() + static_cast<std::ptrdiff_t>(start_); }
   /// Past this rank's last index of the current epoch.
   [[nodiscard]] const_iterator end() const noexcept { return indices_.end(); }
 
@@ -235,6 +282,7 @@ class distributed_sampler {
   int rank_;
   sampler_options options_;
   std::uint64_t epoch_ = 0;
+  std::size_t start_ = 0;  // resume()'s position in the epoch
   std::size_t num_samples_ = 0;
   std::vector<std::size_t> indices_;
 };

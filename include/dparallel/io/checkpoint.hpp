@@ -51,19 +51,6 @@
 
 DPARALLEL_NAMESPACE_BEGIN
 
-/// Where a sampler stands: its epoch and how many of this rank's indices of that epoch have been
-/// consumed (the next sample to read is sampler.indices()[index]), and the shuffle order those
-/// indices follow (sampler_options::order), without which the position names other samples.
-struct sampler_position {
-  /// The sampler's epoch.
-  std::uint64_t epoch = 0;
-  /// How many of this rank's indices of that epoch have been consumed.
-  std::uint64_t index = 0;
-  /// The permutation the sampler's shuffled epochs follow (sampler_options::order's default).
-  shuffle_order order = shuffle_order::torch;
-  friend constexpr bool operator==(sampler_position, sampler_position) = default;
-};
-
 /// The scalars of a training run that a checkpoint keeps besides the tensors.
 struct training_progress {
   std::uint64_t epoch = 0;      ///< the epoch in progress
@@ -100,9 +87,7 @@ inline std::uint64_t parse_u64(safetensors_metadata const& meta, std::string con
 }
 
 /// The name "sampler.order" stores for `o`.
-constexpr std::string_view shuffle_order_name(shuffle_order o) noexcept {
-  return o == shuffle_order::splitmix64 ? "splitmix64" : "torch";
-}
+constexpr std::string_view shuffle_order_name(shuffle_order o) noexcept { return name_of(o); }
 
 /// "sampler.order" of `meta`; splitmix64 when absent (a file from before the key, when that was
 /// dparallel's only order).
