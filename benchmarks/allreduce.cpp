@@ -8,12 +8,12 @@
 //    rank's buffer read once and written once), in bytes per second;
 //  - copy = the bandwidth of n threads each copying its own S bytes (memcpy), counting the bytes
 //    read and the bytes written, in the same run: the physical limit of that traffic here;
-//  - traffic / copy: how close the all-reduce comes to that limit (issue 6 asks >= 0.7 at 64 MiB);
+//  - traffic / copy: how close the all-reduce comes to that limit (target: >= 0.7 at 64 MiB);
 //  - with --mpi FILE: MPI_Allreduce's time for the same n and S (from allreduce_mpi) and our
-//    speed-up over it (issue 6 asks >= 3 at 64 MiB over 2 ranks); and dparallel's all-reduce over
+//    speed-up over it (target: >= 3 at 64 MiB over 2 ranks); and dparallel's all-reduce over
 //    n processes (allreduce_mpi measures it in turns with MPI_Allreduce: shared memory on one
-//    node), as time, its speed-up over MPI_Allreduce, and its time over the thread ranks' (issue 17
-//    asks >= 3x MPI_Allreduce and <= 1.1 x the thread ranks' time at every size >= 64 KiB, and a
+//    node), as time, its speed-up over MPI_Allreduce, and its time over the thread ranks' (targets:
+//    >= 3x MPI_Allreduce and <= 1.1 x the thread ranks' time at every size >= 64 KiB, and a
 //    4 KiB all-reduce in <= 10 us).
 
 #include "bench_util.hpp"
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
       if (r->mpi > 0) std::printf("; %.2f x faster than MPI_Allreduce (target >= 3)", r->mpi / r->ours.best);
       std::printf("\n");
     }
-    // Issue 17: dparallel over n processes against MPI_Allreduce and against the thread ranks,
+    // dparallel over n processes against MPI_Allreduce and against the thread ranks,
     // buffers in ordinary memory (proc) and in the group's memory (gm).
     for (bool gm : {false, true}) {
       double worst_mpi = 0, worst_threads = 0;

@@ -1,4 +1,4 @@
-// Costs of the safe readers (issue 19):
+// Costs of the safe readers:
 //   io_costs load [MB]        a state dict of MB (default 200) MB: load_state_dict (reads into a
 //                             staging buffer, checks the file unchanged, copies) against reading
 //                             each tensor straight into the model (what loads did before);

@@ -1,5 +1,5 @@
 #pragma once
-// The communicator concept every engine satisfies (host threads here; MPI and NCCL later), and
+// The communicator concept every engine satisfies (host threads, shared memory, MPI, NCCL), and
 // process_group: a cheap, copyable, type-erased handle to any of them.
 //
 // Contract of every engine (each rank holds its own communicator of one group):

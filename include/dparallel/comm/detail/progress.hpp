@@ -21,7 +21,7 @@
 // mutex, so never while a launch is inside the engine (an NCCL communicator must not be used
 // from two threads at once); (3) only then it releases each collective's resources (staging
 // memory, events) and completes its work with the error. Releasing before the abort could free
-// memory a stuck kernel still uses, or block in a synchronising free behind it (issue 13, item 10).
+// memory a stuck kernel still uses, or block in a synchronising free behind it.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/work.hpp>
