@@ -3,7 +3,7 @@
 #   (docs/Doxyfile) with warnings as errors, so it fails on an undocumented public name, a broken
 #   reference or a malformed doc command; without Doxygen (Debian package `doxygen`) it reports
 #   *skipped*. The target `api_reference` builds the HTML into <build>/docs/api/html.
-# - docs:readme_front_door: the README stays a front door: at most 250 lines, opening with the
+# - docs:readme_front_door: the README stays a front door: at most 150 lines, opening with the
 #   quick start's two commands (`./scripts/example`, `./scripts/test`) before any other section.
 # Run as a script (cmake -DREADME=<file> -P dparallelDocs.cmake) this file is that README check.
 
@@ -11,8 +11,8 @@ if(CMAKE_SCRIPT_MODE_FILE)
   file(READ "${README}" text)
   string(REGEX MATCHALL "\n" newlines "${text}")
   list(LENGTH newlines n)
-  if(n GREATER 250)
-    message(FATAL_ERROR "${README}: expected at most 250 lines (details belong in docs/), found ${n}")
+  if(n GREATER 150)
+    message(FATAL_ERROR "${README}: expected at most 150 lines (details belong in docs/), found ${n}")
   endif()
   string(FIND "${text}" "\n### " first_subsection)
   foreach(command IN ITEMS "./scripts/example" "./scripts/test")
