@@ -5,6 +5,8 @@
 #   *skipped*. The target `api_reference` builds the HTML into <build>/docs/api/html.
 # - docs:readme_front_door: the README stays a front door: at most 150 lines, opening with the
 #   quick start's two commands (`./scripts/example`, `./scripts/test`) before any other section.
+# - docs:no_issue_numbers: no issue numbers in include/, docs/, benchmarks/, examples/, README.md
+#   (dparallelNoIssueNumbers.cmake).
 # Run as a script (cmake -DREADME=<file> -P dparallelDocs.cmake) this file is that README check.
 
 if(CMAKE_SCRIPT_MODE_FILE)
@@ -30,6 +32,10 @@ endif()
 add_test(NAME docs:readme_front_door
          COMMAND "${CMAKE_COMMAND}" "-DREADME=${PROJECT_SOURCE_DIR}/README.md" -P "${CMAKE_CURRENT_LIST_FILE}")
 set_tests_properties(docs:readme_front_door PROPERTIES LABELS docs)
+
+add_test(NAME docs:no_issue_numbers
+         COMMAND "${CMAKE_COMMAND}" "-DROOT=${PROJECT_SOURCE_DIR}" -P "${CMAKE_CURRENT_LIST_DIR}/dparallelNoIssueNumbers.cmake")
+set_tests_properties(docs:no_issue_numbers PROPERTIES LABELS docs)
 
 find_program(DPARALLEL_DOXYGEN doxygen DOC "Doxygen, for the API reference and its test")
 set(dparallel_docs_out "${PROJECT_BINARY_DIR}/docs/api")
