@@ -7,6 +7,8 @@
 #   quick start's two commands (`./scripts/example`, `./scripts/test`) before any other section.
 # - docs:no_issue_numbers: no issue numbers in include/, docs/, benchmarks/, examples/, README.md
 #   (dparallelNoIssueNumbers.cmake).
+# - docs:links: every relative link of the README and docs/ names a file and heading that exist
+#   (tests/docs/check_links.py; needs Python 3).
 # Run as a script (cmake -DREADME=<file> -P dparallelDocs.cmake) this file is that README check.
 
 if(CMAKE_SCRIPT_MODE_FILE)
@@ -36,6 +38,13 @@ set_tests_properties(docs:readme_front_door PROPERTIES LABELS docs)
 add_test(NAME docs:no_issue_numbers
          COMMAND "${CMAKE_COMMAND}" "-DROOT=${PROJECT_SOURCE_DIR}" -P "${CMAKE_CURRENT_LIST_DIR}/dparallelNoIssueNumbers.cmake")
 set_tests_properties(docs:no_issue_numbers PROPERTIES LABELS docs)
+
+find_package(Python3 COMPONENTS Interpreter)
+if(Python3_Interpreter_FOUND)
+  add_test(NAME docs:links
+           COMMAND "${Python3_EXECUTABLE}" "${PROJECT_SOURCE_DIR}/tests/docs/check_links.py" "${PROJECT_SOURCE_DIR}")
+  set_tests_properties(docs:links PROPERTIES LABELS docs)
+endif()
 
 find_program(DPARALLEL_DOXYGEN doxygen DOC "Doxygen, for the API reference and its test")
 set(dparallel_docs_out "${PROJECT_BINARY_DIR}/docs/api")
