@@ -1,5 +1,5 @@
-// Mistakes that used to be silent, and messages that used to read badly (issue 14 section 3,
-// issue 19 item 9): each is now an error, or a result, stated here as an equality.
+// Mistakes that could pass silently, and the messages that name them: each is an error, or a
+// result, stated here as an equality.
 #include "models.hpp"
 
 #include <dparallel/dparallel.hpp>

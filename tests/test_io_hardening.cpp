@@ -1,6 +1,6 @@
-// Hardening of the safetensors reader, the loaders and atomic writes (issue 19, items 3-8, 11,
-// 14): what the reference implementation accepts, escaped input in messages, bounded header
-// memory, the header cap, unchanged models after a failed load, stale temporaries, file modes.
+// Hardening of the safetensors reader, the loaders and atomic writes: what the reference
+// implementation accepts, escaped input in messages, bounded header memory, the header cap,
+// unchanged models after a failed load, stale temporaries, file modes.
 #include "io/child.hpp"
 #include "scratch.hpp"
 

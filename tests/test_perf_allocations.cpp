@@ -1,4 +1,4 @@
-// What the performance work (issue 6) promised about allocations, counted, never timed:
+// What the library promises about allocations, counted, never timed:
 // - DDP's gradient_as_bucket_view allocates no bucket memory; the copying mode one allocation per
 //   bucket, of the bucket's size;
 // - steady-state DP and DDP steps (no_sync accumulation included) allocate nothing through the
@@ -124,7 +124,7 @@ TEST_CASE("steady-state DataParallel steps allocate nothing through the backend"
   for (auto const& c : counting_backend::calls) total += c;
   CHECK(total == 0);
 }
-// --- Steady-state steps without waste (issue 6, item 2) ----------------------------------------
+// --- Steady-state steps without waste ---------------------------------------------------------
 //
 // Global operator new/delete are replaced in this executable by versions that count the calls
 // made on the current thread while a new_count scope is open there (a thread_local flag and

@@ -1,4 +1,4 @@
-// The contracts behind the performance work (issue 6), stated as equalities, never as timings:
+// The contracts behind the library's performance, stated as equalities, never as timings:
 // - DDP's gradient_as_bucket_view gives the same bits as the copying mode, and refuses (on every
 //   rank, with a clear error) ranks whose buckets would differ;
 // - DP's reduction, split by elements over the devices, gives the bits of one weighted_sum, and a

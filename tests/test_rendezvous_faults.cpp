@@ -1,4 +1,4 @@
-// tcp_rendezvous under faults (issue 19, items 1, 2, 12, 14), on loopback only: a silent
+// tcp_rendezvous under faults, on loopback only: a silent
 // connection delays no rank and gets no rank blamed; a master announcing oversized lengths is
 // reported with what was read and the limit; absurd world sizes are refused before any
 // allocation; a RANK too long to be a rank is "out of range".

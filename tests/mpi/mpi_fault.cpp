@@ -76,7 +76,7 @@ void missing_collective(dpl::process_group const& group) {
   }
 }
 
-/// Rank 1's third collective differs from the others' (issue 19: sum vs avg gave mixed data,
+/// Rank 1's third collective differs from the others' (unchecked: sum vs avg gave mixed data,
 /// 1000 vs 999 elements ended a rank through Open MPI's fatal handler, all_reduce vs broadcast
 /// hung one rank): every rank must fail with the same comm_error naming rank 1.
 void mismatched_collective(dpl::process_group const& group, std::string const& scenario) {
