@@ -175,11 +175,12 @@ TEST_CASE("make_groups refuses a shared GPU unless a test opts in on an NCCL tha
 TEST_CASE("processes sharing one GPU: the environment each needs, by NCCL version", "[launch]") {
   auto const old0 = dpl::detail::shared_gpu_environment(22809, 0);
   auto const old1 = dpl::detail::shared_gpu_environment(22809, 1);
-  REQUIRE(old0.size() == 2);
+  REQUIRE(old0.size() == 3);
   CHECK(old0[0].name == "NCCL_HOSTID");
   CHECK(old0[0].value != old1[0].value);  // each process a host of its own
   CHECK(old0[1].name == "NCCL_SOCKET_IFNAME");
   CHECK(old0[1].value == "lo");
+  CHECK(old0[2].name == "NCCL_IB_DISABLE");
   auto const now = dpl::detail::shared_gpu_environment(23000, 1);
   REQUIRE(now.size() == 1);
   CHECK(now[0].name == "NCCL_MULTI_RANK_GPU_ENABLE");

@@ -121,11 +121,13 @@ struct env_setting {
 /// The environment that makes NCCL accept `rank` as one of several processes on one GPU (a
 /// correctness check only; NCCL does not support it for training): NCCL >= 2.30 has
 /// NCCL_MULTI_RANK_GPU_ENABLE (experimental); older NCCL takes each process for a host of its own
-/// (NCCL_HOSTID) whose ranks talk over sockets on loopback, so its duplicate-GPU check compares
-/// nothing and only the network transport is used.
+/// (NCCL_HOSTID) whose ranks talk over sockets on loopback (InfiniBand off), so its duplicate-GPU
+/// check compares nothing and only the network transport is used.
 inline std::vector<env_setting> shared_gpu_environment(int nccl_version, int rank) {
   if (nccl_version >= nccl_multi_rank_gpu_version) return {{"NCCL_MULTI_RANK_GPU_ENABLE", "1"}};
-  return {{"NCCL_HOSTID", "dparallel-shared-gpu-rank-" + std::to_string(rank)}, {"NCCL_SOCKET_IFNAME", "lo"}};
+  return {{"NCCL_HOSTID", "dparallel-shared-gpu-rank-" + std::to_string(rank)},
+          {"NCCL_SOCKET_IFNAME", "lo"},
+          {"NCCL_IB_DISABLE", "1"}};
 }
 
 /// Checks the GPUs of nccl::make_groups' thread ranks (ordinals, rank i on gpus[i]): distinct,
