@@ -225,6 +225,15 @@ TEST_CASE("DDP takes the group's bound device as its default, through the desync
       dpl::distributed_data_parallel<test::linreg<double>> ddp(m, dpl::with_desync_detection(bound));
       checked[r] = ddp.devices().at(0);
     }
+    {
+      // An explicit local_device other than the group's device is refused before any collective
+      // (every rank refuses, so none waits for the others' broadcast).
+      test::linreg<double> m;
+      dpl::options const elsewhere{.local_device = dpl::device{dpl::device_kind::host, 9, 0}};
+      CHECK_THROWS_WITH(dpl::distributed_data_parallel<test::linreg<double>>(m, bound, elsewhere),
+                        Catch::Contains("device of the group's communicator, host:" + std::to_string(5 - ctx.rank())) &&
+                            Catch::Contains("found host:9"));
+    }
     test::linreg<double> m;
     dpl::distributed_data_parallel<test::linreg<double>> ddp(m, ctx.group());
     plain[r] = ddp.devices().at(0);

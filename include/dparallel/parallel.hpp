@@ -115,6 +115,12 @@ class parallel {
     verify_model(model, "DDP on rank " + std::to_string(group.rank()) + ": the model");
     device const dev = opts.local_device.value_or(default_device(group));
     Backend::check_device(dev);
+    if (auto const bound = group.bound_device(); bound && bound->kind == Backend::kind)
+      detail::require(bound->index == dev.index, [&] {
+        return "DDP on rank " + std::to_string(group.rank()) + ": expected options::local_device on the device of the "
+               "group's communicator, " + to_string(*bound) + ", found " + to_string(dev) +
+               "; leave local_device unset to take the group's, or make the group on " + to_string(dev);
+      });
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
     registration_ = detail::parameter_registry::instance().add(parameter_refs(model), group.rank());
     rs_.master = &model;

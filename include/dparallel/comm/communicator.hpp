@@ -327,7 +327,7 @@ class process_group {
 
   /// The device this rank's collectives are bound to: an NCCL rank's GPU (the communicator's
   /// gpu()), whatever the launch chose; empty for engines that take memory anywhere (host, shared
-  /// memory, MPI). DDP takes it as its default device (options::local_device overrides it).
+  /// memory, MPI). DDP takes it as its default device (an explicit options::local_device must be on it).
   [[nodiscard]] std::optional<device> bound_device() const { return get().bound_device(); }
 
  private:
