@@ -160,8 +160,9 @@ dpl::distributed_group init_nccl_process_group([[maybe_unused]] dpl::process_gro
 }
 
 int gpu_of(dpl::distributed_group const& group) {
-  int const n = dpl::cuda::device_count();
-  return n == 0 ? 0 : group.local_rank() % n;
+  auto const d = group.bound_device();
+  if (!d) throw std::runtime_error("--comm nccl: expected an NCCL group bound to a GPU, found a group bound to none");
+  return d->index;
 }
 
 }  // namespace train_mlp_cuda

@@ -59,9 +59,10 @@ std::vector<dparallel::process_group> make_nccl_groups(int ranks);
 /// --comm nccl: this process's rank of an NCCL group over the processes of the launch
 /// (nccl::init_process_group); rank 0's unique id travels through `bootstrap` when it is valid
 /// (an MPI group), else through the TCP rendezvous at MASTER_ADDR:MASTER_PORT. Its GPU is
-/// local_rank % device_count(), as gpu_of() says.
+/// local_rank % the GPUs this process sees (one visible GPU per rank works: srun
+/// --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank), as the group says (gpu_of()).
 dparallel::distributed_group init_nccl_process_group(dparallel::process_group const& bootstrap);
-/// The GPU of a process rank: local_rank % device_count().
+/// The GPU of a process rank: the one its NCCL communicator runs on (process_group::bound_device).
 int gpu_of(dparallel::distributed_group const& group);
 
 }  // namespace train_mlp_cuda

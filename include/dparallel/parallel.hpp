@@ -6,6 +6,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/backend/host/backend.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/core/batch.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
@@ -112,8 +113,14 @@ class parallel {
   {
     detail::require(group.valid(), "parallel: expected a process group, found an empty process_group");
     verify_model(model, "DDP on rank " + std::to_string(group.rank()) + ": the model");
-    device const dev = opts.local_device.value_or(default_device(group.rank()));
+    device const dev = opts.local_device.value_or(default_device(group));
     Backend::check_device(dev);
+    if (auto const bound = group.bound_device(); bound && bound->kind == Backend::kind)
+      detail::require(bound->index == dev.index, [&] {
+        return "DDP on rank " + std::to_string(group.rank()) + ": expected options::local_device on the device of the "
+               "group's communicator, " + to_string(*bound) + ", found " + to_string(dev) +
+               "; leave local_device unset to take the group's, or make the group on " + to_string(dev);
+      });
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
     registration_ = detail::parameter_registry::instance().add(parameter_refs(model), group.rank());
     rs_.master = &model;
@@ -476,14 +483,15 @@ class parallel {
       for (auto& s : rs_.streams) Backend::begin_step(*s);
   }
 
-  // DDP's device when options::local_device is not given: the backend's choice for this rank
-  // (CUDA: the rank's GPU among the visible ones), else device `rank` of the backend's kind.
-  static device default_device(int rank) {
-    if constexpr (requires { Backend::default_device(rank); }) {
-      return Backend::default_device(rank);
-    } else {
-      return device{Backend::kind, rank};
+  // DDP's device when options::local_device is not given: the device the group is bound to when
+  // it is of the backend's kind (an NCCL rank's own GPU, whatever the launch), else the backend's
+  // choice for this rank (CUDA: rank % visible GPUs), else device `rank` of the backend's kind.
+  static device default_device(process_group const& group) {
+    auto const bound = group.bound_device();
+    if constexpr (requires { Backend::default_device(group.rank()); }) {
+      if (!bound || bound->kind != Backend::kind) return Backend::default_device(group.rank());
     }
+    return detail::default_rank_device(bound, Backend::kind, group.rank(), std::nullopt);
   }
 
   static void ready_trampoline(void* self, int replica, std::size_t param) {

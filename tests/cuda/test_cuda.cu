@@ -391,37 +391,47 @@ TEST_CASE("CUDA DDP over NCCL thread ranks equals one device on the global batch
     WARN("one GPU: NCCL needs a GPU per rank; DDP over NCCL thread ranks is not exercised");
     return;
   }
-  auto const data = test::dataset<double>::make(64, 4, 11, true);
+  // Equal shards of about 64 rows for any GPU count; the reference reads exactly their rows.
+  std::size_t const per = std::max<std::size_t>(1, 64 / static_cast<std::size_t>(world));
+  std::size_t const rows = per * static_cast<std::size_t>(world);
+  auto const data = test::dataset<double>::make(rows, 4, 11, true);
   test::cuda_linreg<double> ref(4, 7);
   ref.forward_backward(data.all());
   auto const want = test::flat_on<gpu>(ref, true);
-  auto groups = dpl::nccl::make_groups(dpl::cuda::devices(world));
+  // Rank r on GPU world - 1 - r (as make_groups({cuda:1, cuda:0})): DDP's default device must be
+  // the communicator's GPU, not GPU r.
+  std::vector<dpl::device> gpus = dpl::cuda::devices(world);
+  std::reverse(gpus.begin(), gpus.end());
+  auto groups = dpl::nccl::make_groups(gpus);
   std::vector<std::vector<double>> got(static_cast<std::size_t>(world));
   std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<dpl::device> used(static_cast<std::size_t>(world));
   std::vector<std::thread> ranks;
-  std::size_t const per = 64 / static_cast<std::size_t>(world);
   for (int r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
+      auto const i = static_cast<std::size_t>(r);
       try {
-        dpl::device const d{dpl::device_kind::cuda, r, 0};
+        dpl::device const d = gpus[i];
         test::cuda_linreg<double> m(4, 7, d);
-        dpl::parallel<test::cuda_linreg<double>, dpl::ddp, gpu> ddp(m, groups[static_cast<std::size_t>(r)],
-                                                                   {.local_device = d});
-        auto const lo = static_cast<std::size_t>(r) * per;
+        dpl::parallel<test::cuda_linreg<double>, dpl::ddp, gpu> ddp(m, groups[i]);  // default device
+        used[i] = ddp.devices().at(0);
+        auto const lo = i * per;
         test::samples<double> mine{data.all().x.slice_rows(lo, lo + per), data.all().y.slice_rows(lo, lo + per)};
         ddp.step(mine, [](auto& model, test::samples<double> s) { return model.forward_backward(s); });
-        got[static_cast<std::size_t>(r)] = test::flat_on<gpu>(m, true);
+        got[i] = test::flat_on<gpu>(m, true);
       } catch (std::exception const& e) {
-        errors[static_cast<std::size_t>(r)] = e.what();
+        errors[i] = e.what();
       }
     });
   }
   for (auto& t : ranks) t.join();
   for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[static_cast<std::size_t>(r)]);
-    CHECK(errors[static_cast<std::size_t>(r)].empty());
-    CHECK(test::rel_error(got[static_cast<std::size_t>(r)], want) <= 1e-12);
-    CHECK(got[static_cast<std::size_t>(r)] == got[0]);
+    auto const i = static_cast<std::size_t>(r);
+    INFO("rank " << r << ": " << errors[i]);
+    CHECK(errors[i].empty());
+    CHECK(used[i] == gpus[i]);
+    CHECK(test::rel_error(got[i], want) <= 1e-12);
+    CHECK(got[i] == got[0]);
   }
 }
 #endif

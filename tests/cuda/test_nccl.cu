@@ -2,7 +2,8 @@
 // exercises everything but the network: barriers, host staging of each side, the ordering after
 // the issuing thread's GPU work, a DDP step, abort. Without a GPU every test reports skipped
 // (gpu_main.cpp). The host-testable parts (the poll engine, the staging plan) are tested on the
-// host in tests/test_comm_progress.cpp.
+// host in tests/test_comm_progress.cpp. Two thread ranks on the one GPU only where NCCL allows it
+// (>= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1), else the refusal naming the version.
 #include "cuda_linreg.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
@@ -15,11 +16,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cmath>
-
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -248,5 +253,29 @@ TEST_CASE("NCCL world size 1: cuda::fp16_compress and bf16_compress give the hos
         CHECK(host[k] != three_steps([](std::vector<float> x, auto const&, auto const&, auto const&) { return x; })[k]);
       }
     }
+  }
+}
+
+TEST_CASE("NCCL thread ranks share one GPU only with the tests' opt-in, on an NCCL that can", "[nccl][one-gpu][shared-gpu]") {
+  CHECK(one_rank_group().bound_device() == std::optional<dpl::device>(gpu0));  // DDP's default device
+  CHECK_THROWS_WITH(dpl::nccl::make_groups({gpu0, gpu0}), Catch::Contains("one rank per GPU"));
+  auto const allow = dpl::nccl::shared_gpu::allow_for_tests;
+  int const version = dpl::nccl::runtime_version();
+  char const* env = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");  // NOLINT(concurrency-mt-unsafe)
+  if (version < dpl::detail::nccl_multi_rank_gpu_version) {
+    CHECK_THROWS_WITH(dpl::nccl::make_groups({gpu0, gpu0}, std::chrono::seconds(60), allow),
+                      Catch::Contains("cannot put two ranks of one process on one GPU") &&
+                          Catch::Contains(dpl::detail::nccl_version_string(version)));
+  } else if (env == nullptr || std::string_view(env) != "1") {
+    CHECK_THROWS_WITH(dpl::nccl::make_groups({gpu0, gpu0}, std::chrono::seconds(60), allow),
+                      Catch::Contains("NCCL_MULTI_RANK_GPU_ENABLE=1"));
+  } else {
+    auto groups = dpl::nccl::make_groups({gpu0, gpu0}, std::chrono::seconds(60), allow);
+    std::vector<std::vector<float>> v{{1, 2}, {10, 20}};
+    std::vector<std::thread> ranks;
+    for (std::size_t r = 0; r < 2; ++r) ranks.emplace_back([&, r] { groups[r].all_reduce(dpl::view(v[r])).wait(); });
+    for (auto& t : ranks) t.join();
+    CHECK(v[0] == std::vector<float>{11, 22});
+    CHECK(v[1] == v[0]);
   }
 }

@@ -7,8 +7,8 @@
 // skipped (gpu_main.cpp); with one GPU it runs a world of one. The same for bf16 parameters with
 // F32 master shards (zero_options::master_weights) against DDP with master weights: the CUDA
 // master-copy kernels on each rank's shard, NCCL's bf16 reduce-scatter and all-gather.
-#include "cuda_linreg.cuh"
 #include "test_zero_common.hpp"
+#include "zero_train.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
 #include <dparallel/backend/cuda/optim_kernels.hpp>
@@ -31,16 +31,10 @@
 
 namespace dpl = dparallel;
 namespace optim = dparallel::optim;
-using gpu = dpl::cuda::backend;
-using model = test::cuda_linreg<float>;
 
 namespace {
 
-constexpr std::size_t dim = 37;
-constexpr std::size_t rows_per_rank = 6;
-constexpr int steps = 20;
-
-double lr_at(int t) { return 0.01 / (1.0 + 0.1 * t); }
+using namespace test::zero_cuda;
 
 /// The GPUs of the world: one per device present, at most 2.
 std::vector<dpl::device> world_gpus() {
@@ -48,13 +42,6 @@ std::vector<dpl::device> world_gpus() {
   dpl::cuda::check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
   std::vector<dpl::device> out;
   for (int i = 0; i < n && i < 2; ++i) out.push_back({dpl::device_kind::cuda, i, 0});
-  return out;
-}
-
-std::vector<float> bits_of(model const& m) {
-  auto const h = m.to_host();
-  std::vector<float> out = h.w;
-  out.insert(out.end(), h.b.begin(), h.b.end());
   return out;
 }
 
@@ -77,43 +64,14 @@ void on_ranks(std::size_t world, F fn) {
     if (e) std::rethrow_exception(e);
 }
 
-/// Every rank's parameters after `steps` steps of `rule`: with zero, ddp_zero1 and
-/// zero_redundancy_optimizer; without, ddp and optim::optimizer.
+/// Every rank's parameters after `steps` steps of `rule` (zero_train.cuh), one thread per rank.
 template <class Rule>
 std::vector<std::vector<float>> train(bool zero, Rule const& rule, dpl::options opts) {
   auto const gpus = world_gpus();
   auto groups = dpl::nccl::make_groups(gpus);
-  auto const world = gpus.size();
-  std::vector<std::vector<float>> out(world);
-  on_ranks(world, [&](std::size_t r) {
-    dpl::options o = opts;  // one per rank thread
-    o.local_device = gpus[r];
-    model m(dim, 3, gpus[r]);
-    auto run = [&](auto& w, auto& opt) {
-      for (int t = 1; t <= steps; ++t) {
-        auto const d = test::dataset<float>::make(rows_per_rank * world, dim, 70 + static_cast<std::uint64_t>(t), false);
-        w.step(dpl::slice_batch(d.all(), r * rows_per_rank, (r + 1) * rows_per_rank),
-               [](model& x, test::samples<float> s) { return x.forward_backward(s); });
-        opt.step(w, lr_at(t));
-      }
-    };
-    if (zero) {
-      dpl::parallel<model, dpl::ddp_zero1, gpu> w(m, groups[r], o);
-      dpl::zero_redundancy_optimizer opt(w, rule);
-      run(w, opt);
-    } else {
-      dpl::parallel<model, dpl::ddp, gpu> w(m, groups[r], o);
-      optim::optimizer<Rule, gpu> opt(w, rule);
-      run(w, opt);
-    }
-    dpl::cuda::check(cudaDeviceSynchronize(), "test");
-    out[r] = bits_of(m);
-  });
+  std::vector<std::vector<float>> out(gpus.size());
+  on_ranks(gpus.size(), [&](std::size_t r) { out[r] = train_rank(zero, rule, opts, groups[r], gpus[r]); });
   return out;
-}
-
-bool same_bits(std::vector<float> const& a, std::vector<float> const& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 template <class Rule>

@@ -16,6 +16,7 @@
 #include <dparallel/comm/detail/subgroup_plan.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/buffer.hpp>
+#include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -23,6 +24,7 @@
 #include <concepts>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -96,11 +98,12 @@ class communicator_interface {
   /// Every parent rank calls it with the same plan (but its own place): this rank's subgroup,
   /// empty when it is in none.
   virtual process_group subgroup(subgroup_plan const& plan) = 0;
+  [[nodiscard]] virtual std::optional<device> bound_device() const = 0;
 };
 
 /// Wraps a communicator C. Members C may lack (timeout, set_timeout, completed_ops, drain, hold,
-/// release) get neutral stand-ins: a stored timeout, 0 completed operations, a drain that returns
-/// at once, a hold and release that do nothing.
+/// release, gpu or bound_device) get neutral stand-ins: a stored timeout, 0 completed operations,
+/// a drain that returns at once, a hold and release that do nothing, no bound device.
 template <communicator C>
 class communicator_model final : public communicator_interface {
  public:
@@ -172,6 +175,15 @@ class communicator_model final : public communicator_interface {
     else refuse_lists("all_gather_coalesced", "all_gather");
   }
   process_group subgroup(subgroup_plan const& plan) override;
+  [[nodiscard]] std::optional<device> bound_device() const override {
+    if constexpr (requires { { c_->gpu() } -> std::convertible_to<device>; }) {
+      return device(c_->gpu());
+    } else if constexpr (requires { { c_->bound_device() } -> std::convertible_to<std::optional<device>>; }) {
+      return c_->bound_device();
+    } else {
+      return std::nullopt;
+    }
+  }
 
  private:
   [[noreturn]] static void refuse_lists(char const* what, char const* plain) {
@@ -312,6 +324,11 @@ class process_group {
   /// memory stays valid after the group is gone. E.g. a model's gradients allocated here, with
   /// gradient_as_bucket_view, are all-reduced without a copy. See docs/multi-process.md.
   [[nodiscard]] std::shared_ptr<std::byte> allocate(std::size_t bytes) const { return get().allocate(bytes); }
+
+  /// The device this rank's collectives are bound to: an NCCL rank's GPU (the communicator's
+  /// gpu()), whatever the launch chose; empty for engines that take memory anywhere (host, shared
+  /// memory, MPI). DDP takes it as its default device (an explicit options::local_device must be on it).
+  [[nodiscard]] std::optional<device> bound_device() const { return get().bound_device(); }
 
  private:
   [[nodiscard]] detail::communicator_interface& get() const {

@@ -155,6 +155,8 @@ class desync_detector {
   [[nodiscard]] int rank() const noexcept { return rank_; }
   /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return size_; }
+  /// The wrapped group's bound device (process_group::bound_device).
+  [[nodiscard]] std::optional<device> bound_device() const { return inner_.bound_device(); }
 
   /// This rank's subgroup of a split (process_group::split): the wrapped group's subgroup, with
   /// desync detection too; empty when the rank is in none.

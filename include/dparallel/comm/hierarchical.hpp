@@ -34,6 +34,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +86,8 @@ class hierarchical_communicator {
   [[nodiscard]] int rank() const { return parent_.rank(); }
   /// The parent's size.
   [[nodiscard]] int size() const { return parent_.size(); }
+  /// The parent's bound device (process_group::bound_device).
+  [[nodiscard]] std::optional<device> bound_device() const { return parent_.bound_device(); }
   /// This rank's node, in [0, nodes()); nodes are numbered by their smallest parent rank.
   [[nodiscard]] int node() const noexcept { return plan_.node; }
   /// Number of nodes.

@@ -4,10 +4,12 @@
 // headers.
 //
 // - nccl::make_groups(gpus): thread ranks of one process, one per GPU (ncclCommInitAll). NCCL
-//   refuses two ranks on one GPU; logical devices sharing a GPU use the backend's copy/kernel path.
+//   refuses two ranks on one GPU; logical devices sharing a GPU use the backend's copy/kernel path
+//   (tests on a machine with one GPU may opt in to sharing, shared_gpu::allow_for_tests).
 // - nccl::init_process_group(opts): one rank per process from the launcher's environment; the
 //   unique id travels from rank 0 through `bootstrap` (an MPI group) when given, else through the
-//   TCP rendezvous at MASTER_ADDR:MASTER_PORT (ncclCommInitRank).
+//   TCP rendezvous at MASTER_ADDR:MASTER_PORT (ncclCommInitRank). The rank's GPU is chosen as
+//   comm/detail/launch_gpu.hpp says (one visible GPU per rank works; real sharing is refused).
 //
 // Guarantees of a communicator (see also docs/gpu.md):
 // - Ordering: every collective runs on the communicator's own stream, after the GPU work the
@@ -33,6 +35,7 @@
 #include <dparallel/backend/cuda/memory.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/issue_order.hpp>
+#include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/detail/staging_plan.hpp>
 #include <dparallel/comm/nccl/detail/resources.hpp>
@@ -390,21 +393,34 @@ class communicator {
 };
 static_assert(dparallel::communicator<communicator>);
 
+/// Whether nccl::make_groups may put two thread ranks on one GPU.
+enum class shared_gpu {
+  refuse,           ///< every rank on a GPU of its own (NCCL's supported layout)
+  allow_for_tests,  ///< tests of the rank logic on one GPU: needs NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1
+};
+
+/// NCCL's version code at run time (ncclGetVersion: 22809 for 2.28.9).
+inline int runtime_version() {
+  int v = 0;
+  check(ncclGetVersion(&v), "ncclGetVersion", 0);
+  return v;
+}
+
 /// Thread ranks of one process, rank i on GPU gpus[i] (distinct GPUs; NCCL refuses two ranks on
-/// one GPU). Made together with ncclCommInitAll; hand group i to the thread that runs rank i.
+/// one GPU, unless `sharing` allows it for tests on an NCCL that can, see
+/// detail::check_group_gpus). Made together with ncclCommInitAll; hand group i to the thread that
+/// runs rank i.
 inline std::vector<process_group> make_groups(std::vector<device> const& gpus,
-                                              std::chrono::milliseconds timeout = std::chrono::seconds(300)) {
-  dparallel::detail::require(!gpus.empty(), "nccl::make_groups: expected at least one GPU, found none");
+                                              std::chrono::milliseconds timeout = std::chrono::seconds(300),
+                                              shared_gpu sharing = shared_gpu::refuse) {
   std::vector<int> ordinals;
-  for (std::size_t i = 0; i < gpus.size(); ++i) {
-    cuda::check_device(gpus[i]);
-    for (std::size_t j = 0; j < i; ++j)
-      dparallel::detail::require(gpus[j].index != gpus[i].index,
-                                 "nccl::make_groups: NCCL needs one rank per GPU, found ranks " + std::to_string(j) +
-                                     " and " + std::to_string(i) + " on GPU " + std::to_string(gpus[i].index) +
-                                     "; logical devices of one GPU use the CUDA backend's copy/kernel path");
-    ordinals.push_back(gpus[i].index);
+  for (auto const& g : gpus) {
+    cuda::check_device(g);
+    ordinals.push_back(g.index);
   }
+  bool const allow = sharing == shared_gpu::allow_for_tests;
+  int const version = allow ? runtime_version() : 0;
+  (void)dparallel::detail::check_group_gpus(ordinals, allow, version, process_environment()("NCCL_MULTI_RANK_GPU_ENABLE"));
   std::vector<ncclComm_t> comms(gpus.size(), nullptr);
   check(ncclCommInitAll(comms.data(), static_cast<int>(comms.size()), ordinals.data()), "ncclCommInitAll", 0);
   std::vector<process_group> out;
@@ -415,30 +431,25 @@ inline std::vector<process_group> make_groups(std::vector<device> const& gpus,
 }
 
 /// One rank per process: resolves the launch from the environment (see init_process_group), picks
-/// GPU local_rank % device_count() unless `gpu` is given, shares rank 0's unique id through
-/// `bootstrap` (e.g. an MPI group) or the TCP rendezvous, and makes the communicator with
-/// ncclCommInitRank.
+/// its GPU (detail::choose_rank_gpu: `gpu` when given, else local_rank % the GPUs this process
+/// sees, so one visible GPU per rank works too), shares rank 0's unique id through `bootstrap`
+/// (e.g. an MPI group) or the TCP rendezvous, and makes the communicator with ncclCommInitRank.
+/// Two ranks that really share a GPU on one host fail with a comm_error naming the fix.
 inline distributed_group init_process_group(init_options const& opts = {}, process_group const& bootstrap = {},
                                             std::optional<device> gpu = std::nullopt,
                                             environment const& env = process_environment()) {
   return dparallel::init_process_group(
       [&](launch_info const& info, init_options const& o) -> process_group {
-        int const n = cuda::device_count();
-        if (n == 0 && !gpu)
-          throw invalid_argument("dparallel: nccl::init_process_group on rank " + std::to_string(info.rank) +
-                                 ": no GPU (" + cuda::no_device_reason() + ")");
-        // NCCL supports one rank per GPU: two ranks on one GPU fail in ncclCommInitRank ("Duplicate
-        // GPU") or hang (NCCL user guide, "Creating a communicator"). Say so before NCCL does.
-        std::string const fix = "NCCL needs one GPU per rank: start at most " + std::to_string(n) +
-                                " rank(s) per node, or give each rank its own GPU (the `gpu` argument, or "
-                                "CUDA_VISIBLE_DEVICES per rank)";
-        if (!gpu && n > 0 && info.local_world_size > n)
-          throw invalid_argument("dparallel: nccl::init_process_group on rank " + std::to_string(info.rank) + ": " +
-                                 std::to_string(info.local_world_size) + " ranks on this node (local world size, from " +
-                                 info.local_source + ") share " + std::to_string(n) + " visible GPU(s), so local rank " +
-                                 std::to_string(info.local_rank) + " would share GPU " + std::to_string(info.local_rank % n) +
-                                 " with another rank; " + fix);
-        device const d = gpu.value_or(device{device_kind::cuda, info.local_rank % (n == 0 ? 1 : n), 0});
+        dparallel::detail::rank_gpu_inputs in;
+        in.rank = info.rank;
+        in.local_rank = info.local_rank;
+        in.local_world_size = info.local_world_size;
+        in.local_source = info.local_source;
+        in.explicit_gpu = gpu ? std::optional<int>(gpu->index) : std::nullopt;
+        in.cuda_visible_devices = env ? env("CUDA_VISIBLE_DEVICES") : std::nullopt;
+        in.visible = gpu ? 0 : cuda::device_count();
+        auto const chosen = dparallel::detail::choose_rank_gpu(in, gpu || in.visible > 0 ? std::string() : cuda::no_device_reason());
+        device const d = gpu.value_or(device{device_kind::cuda, chosen.gpu, 0});
         cuda::check_device(d);
         ncclUniqueId id{};
         if (info.rank == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId", 0);
@@ -452,11 +463,11 @@ inline distributed_group init_process_group(init_options const& opts = {}, proce
         ncclComm_t comm = nullptr;
         ncclResult_t const r = ncclCommInitRank(&comm, info.world_size, id, info.rank);
         if (r != ncclSuccess && r != ncclInProgress) {
+          // NCCL compares the ranks' GPUs (bus id per host) while making the communicator and
+          // fails with "Duplicate GPU" when two ranks of one host hold the same one.
           char const* last = ncclGetLastError(nullptr);
-          if (last != nullptr && std::string_view(last).find("Duplicate GPU") != std::string_view::npos)
-            throw comm_error(info.rank, "dparallel: nccl::init_process_group on rank " + std::to_string(info.rank) +
-                                            ": another rank of this job uses GPU " + std::to_string(d.index) +
-                                            " too (NCCL: " + last + "); " + fix);
+          if (last != nullptr && dparallel::detail::names_duplicate_gpu(last))
+            throw comm_error(info.rank, dparallel::detail::shared_gpu_message(in, chosen, last));
           check(r, "ncclCommInitRank", info.rank);
         }
         return process_group(std::make_shared<communicator>(comm, info.rank, info.world_size, d, o.timeout));

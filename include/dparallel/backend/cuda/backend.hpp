@@ -125,8 +125,10 @@ struct backend {
     if (n == 0) throw invalid_argument("dparallel: cuda backend: no GPU to run on (" + no_device_reason() + ")");
     return devices(n);
   }
-  /// DDP's device for a rank when options::local_device is not given: thread and process ranks
-  /// on one machine take the GPUs round-robin (rank % device_count()).
+  /// DDP's device for a rank whose group is bound to no GPU (a host, shared-memory or MPI group
+  /// over CUDA memory) when options::local_device is not given: ranks take the visible GPUs
+  /// round-robin (rank % device_count(), right for the ranks of one machine). An NCCL group is
+  /// bound to its GPU, which parallel<> takes instead (process_group::bound_device).
   static device default_device(int rank) {
     int const n = device_count();
     if (n == 0) throw invalid_argument("dparallel: cuda backend: no GPU to run on (" + no_device_reason() + ")");

@@ -1,0 +1,230 @@
+// Checks of several NCCL ranks, one process per rank, started torchrun-style (RANK, WORLD_SIZE,
+// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the unique id goes through dparallel's
+// TCP rendezvous) by scripts/gpu-check. On a machine with one GPU every rank runs on it, with the
+// environment `--shared-gpu-env` prints (docs/gpu-check.md says what that proves and what not).
+//
+//   nccl_ranks --shared-gpu-env RANK   prints `export NAME=VALUE` lines for the NCCL found at run time
+//   nccl_ranks CHECK                    runs CHECK as this process's rank; exit status 0 = passed
+//
+// CHECK:
+//   collectives  all_reduce, broadcast, reduce_scatter and all_gather of device and host memory
+//                give the arithmetic's values on every rank (each rank adds distinct integers)
+//   zero         ZeRO-1 gives bitwise DDP's parameters after 20 steps (AdamW and SGD, default and
+//                tiny buckets; zero_train.cuh, as test_cuda_zero), and every rank holds rank 0's
+//   desync       ranks issue all_reduces of different sizes under desync detection: every rank
+//                fails with the desync report naming the odd rank, and nothing runs
+//   stop         the last rank stops issuing collectives: every other rank's all_reduce fails with
+//                a timeout_error within the timeout, and a later collective fails at once
+#include "zero_train.cuh"
+
+#include <dparallel/backend/cuda/backend.hpp>
+#include <dparallel/comm/detail/launch_gpu.hpp>
+#include <dparallel/comm/nccl.hpp>
+#include <dparallel/dparallel.hpp>
+#include <dparallel/optim/adam.hpp>
+#include <dparallel/optim/sgd.hpp>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace dpl = dparallel;
+
+namespace {
+
+int failures = 0;
+std::string me = "nccl_ranks";
+
+void expect(bool ok, std::string const& what) {
+  if (ok) return;
+  ++failures;
+  std::fprintf(stderr, "%s: FAILED: %s\n", me.c_str(), what.c_str());
+}
+
+std::vector<float> down(float const* p, std::size_t n) {
+  std::vector<float> out(n);
+  dpl::cuda::check(cudaMemcpy(out.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), "test");
+  return out;
+}
+
+dpl::cuda::device_buffer<float> up(std::vector<float> const& v, dpl::device d) {
+  dpl::cuda::device_buffer<float> b(v.size(), d);
+  dpl::cuda::check(cudaMemcpy(b.data(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice), "test");
+  return b;
+}
+
+// Rank r's k-th value: small integers, so every order of the sums gives the same float.
+float value(int r, std::size_t k) { return static_cast<float>(r * 100 + static_cast<int>(k)); }
+
+void check_collectives(dpl::distributed_group const& g) {
+  int const n = g.size(), r = g.rank();
+  dpl::device const d = *g.bound_device();
+  constexpr std::size_t per = 1000;
+  std::vector<float> mine(per * static_cast<std::size_t>(n));
+  for (std::size_t k = 0; k < mine.size(); ++k) mine[k] = value(r, k);
+  std::vector<float> sum(mine.size());
+  for (std::size_t k = 0; k < sum.size(); ++k)
+    for (int j = 0; j < n; ++j) sum[k] += value(j, k);
+  for (bool host : {false, true}) {
+    std::string const where = host ? " (host memory)" : " (device memory)";
+    // all_reduce
+    std::vector<float> h = mine;
+    auto dev = up(mine, d);
+    g.all_reduce(host ? dpl::view(h) : dev.view()).wait();
+    expect((host ? h : down(dev.data(), dev.size())) == sum, "all_reduce" + where);
+    // broadcast from the last rank
+    std::vector<float> b = mine;
+    auto db = up(mine, d);
+    g.broadcast(host ? dpl::view(b) : db.view(), n - 1).wait();
+    std::vector<float> want_b(mine.size());
+    for (std::size_t k = 0; k < want_b.size(); ++k) want_b[k] = value(n - 1, k);
+    expect((host ? b : down(db.data(), db.size())) == want_b, "broadcast" + where);
+    // reduce_scatter: block r of the sum
+    std::vector<float> out(per);
+    auto dout = up(out, d);
+    auto din = up(mine, d);
+    std::vector<float> hin = mine;
+    if (host) {
+      g.reduce_scatter(dpl::view(out), dpl::view(hin)).wait();
+    } else {
+      g.reduce_scatter(dout.view(), din.view()).wait();
+    }
+    std::vector<float> const block(sum.begin() + static_cast<std::ptrdiff_t>(per) * r,
+                                   sum.begin() + static_cast<std::ptrdiff_t>(per) * (r + 1));
+    expect((host ? out : down(dout.data(), per)) == block, "reduce_scatter" + where);
+    // all_gather of each rank's first block
+    std::vector<float> gathered(mine.size());
+    std::vector<float> first(mine.begin(), mine.begin() + static_cast<std::ptrdiff_t>(per));
+    auto dg = up(gathered, d);
+    auto df = up(first, d);
+    if (host) {
+      g.all_gather(dpl::view(gathered), dpl::view(first)).wait();
+    } else {
+      g.all_gather(dg.view(), df.view()).wait();
+    }
+    std::vector<float> want_g(mine.size());
+    for (int j = 0; j < n; ++j)
+      for (std::size_t k = 0; k < per; ++k) want_g[static_cast<std::size_t>(j) * per + k] = value(j, k);
+    expect((host ? gathered : down(dg.data(), dg.size())) == want_g, "all_gather" + where);
+  }
+  g.barrier().wait();
+}
+
+template <class Rule>
+void check_zero(dpl::distributed_group const& g, Rule const& rule, char const* name) {
+  using namespace test::zero_cuda;
+  dpl::device const d = *g.bound_device();
+  for (bool small : {false, true}) {
+    std::string const what = std::string(name) + (small ? ", tiny buckets" : ", default buckets");
+    dpl::options const o = small ? dpl::options{.bucket_cap_mb = 8.0 / (1024 * 1024), .first_bucket_cap_mb = 4.0 / (1024 * 1024)}
+                                 : dpl::options{};
+    auto const ddp = train_rank(false, rule, o, g, d);
+    auto const zero = train_rank(true, rule, o, g, d);
+    expect(!same_bits(ddp, bits_of(model(dim, 3, d))), what + ": DDP trained");
+    expect(same_bits(zero, ddp), what + ": ZeRO-1 bitwise DDP on this rank");
+    std::vector<float> r0 = ddp;  // every rank holds rank 0's parameters
+    g.broadcast(dpl::view(r0), 0).wait();
+    expect(same_bits(ddp, r0), what + ": this rank's DDP parameters bitwise rank 0's");
+  }
+}
+
+void check_desync(dpl::distributed_group const& g) {
+  int const r = g.rank();
+  std::size_t const n = r == g.size() - 1 ? 5 : 4;  // the last rank is odd
+  std::vector<float> v(n, 1.0F);
+  try {
+    g.all_reduce(dpl::view(v)).wait();
+    expect(false, "a desynchronised all_reduce completed");
+  } catch (dpl::comm_error const& e) {
+    std::string const m = e.what();
+    expect(m.find("desync detected") != std::string::npos, "the desync report, found: " + m);
+    expect(m.find("rank " + std::to_string(g.size() - 1) + " differs") != std::string::npos,
+           "the report names the odd rank, found: " + m);
+  }
+  expect(v == std::vector<float>(n, 1.0F), "nothing ran: the buffer is unchanged");
+}
+
+void check_stop(dpl::distributed_group& g, std::chrono::milliseconds timeout) {
+  g.barrier().wait();  // everybody is there, the connections made (under the long timeout)
+  g.set_timeout(timeout);
+  if (g.rank() == g.size() - 1) {
+    // Alive but silent, until the others have timed out; then gone without a word (no destroy).
+    std::this_thread::sleep_for(3 * timeout + std::chrono::seconds(5));
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
+  std::vector<float> v(16, 1.0F);
+  auto const t0 = std::chrono::steady_clock::now();
+  try {
+    g.all_reduce(dpl::view(v)).wait();
+    expect(false, "an all_reduce without the last rank completed");
+  } catch (dpl::timeout_error const& e) {
+    auto const took = std::chrono::steady_clock::now() - t0;
+    std::string const m = e.what();
+    std::printf("%s: timed out as expected after %.1f s: %s\n", me.c_str(),
+                std::chrono::duration<double>(took).count(), m.c_str());
+    expect(took < timeout + std::chrono::seconds(20), "the timeout came within the timeout + 20 s");
+    expect(took >= timeout - std::chrono::milliseconds(100), "not before the timeout");
+    expect(m.find("rank " + std::to_string(g.rank())) != std::string::npos, "the timeout names this rank, found: " + m);
+  } catch (std::exception const& e) {
+    expect(false, std::string("expected a timeout_error, found: ") + e.what());
+  }
+  auto const t1 = std::chrono::steady_clock::now();
+  try {
+    g.barrier().wait();
+    expect(false, "a collective after the timeout completed");
+  } catch (dpl::comm_error const&) {
+    expect(std::chrono::steady_clock::now() - t1 < std::chrono::seconds(5), "a later collective fails at once");
+  }
+}
+
+int shared_gpu_env(char const* rank) {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return 1;
+  std::printf("# NCCL %s\n", dpl::detail::nccl_version_string(v).c_str());
+  for (auto const& e : dpl::detail::shared_gpu_environment(v, std::atoi(rank))) std::printf("export %s=%s\n", e.name.c_str(), e.value.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string_view(argv[1]) == "--shared-gpu-env") return shared_gpu_env(argv[2]);
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: nccl_ranks --shared-gpu-env RANK | nccl_ranks collectives|zero|desync|stop\n");
+    return 2;
+  }
+  std::string const check = argv[1];
+  try {
+    dpl::distributed_group g =
+        dpl::nccl::init_process_group({.timeout = std::chrono::seconds(60), .desync_detection = check == "desync"});
+    me = "nccl_ranks " + check + " rank " + std::to_string(g.rank()) + "/" + std::to_string(g.size()) + " on " +
+         dpl::to_string(*g.bound_device());
+    if (check == "collectives") {
+      check_collectives(g);
+    } else if (check == "zero") {
+      check_zero(g, dpl::optim::adamw({.weight_decay = 0.05}), "adamw");
+      check_zero(g, dpl::optim::sgd({.momentum = 0.9, .nesterov = true}), "sgd with momentum");
+    } else if (check == "desync") {
+      check_desync(g);
+    } else if (check == "stop") {
+      check_stop(g, std::chrono::seconds(4));
+    } else {
+      std::fprintf(stderr, "nccl_ranks: unknown check '%s'\n", check.c_str());
+      return 2;
+    }
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "%s: FAILED: %s\n", me.c_str(), e.what());
+    return 1;
+  }
+  std::printf("%s: %s\n", me.c_str(), failures == 0 ? "passed" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}
