@@ -26,6 +26,9 @@
 
 namespace dpl = dparallel;
 using gpu = dpl::cuda::backend;
+// DataParallel on GPUs: whole tensors per replica on its own stream, one slice per device
+// (core/dp_plan.hpp; the plans and the policies' use of them are tested on the host).
+static_assert(dpl::detail::dp_sharing_of<gpu>() == dpl::dp_sharing::per_device);
 
 namespace test {
 template <class T>
