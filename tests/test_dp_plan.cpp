@@ -197,8 +197,8 @@ place locate(Wrapped const& w, std::size_t devices, void const* p) {
 
 }  // namespace
 
-TEST_CASE("DP on a per_device backend: each replica's stream pulls its tensors whole; one slice per device and "
-          "gradient; the host backend's bits",
+TEST_CASE("DP on a per_device backend: each replica's stream pulls its tensors whole, one slice per device and "
+          "gradient, the host backend's bits",
           "[dp][plan][contract]") {
   using model = test::chunked<float>;
   std::vector<std::size_t> const sizes{700, 3, 1, 40000, 129};

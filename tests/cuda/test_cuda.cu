@@ -504,7 +504,7 @@ TEST_CASE("CUDA stream events are recorded on the stream's GPU whatever the work
   CHECK_FALSE(e.gpu_elapsed().has_value());  // untimed work has no GPU time
 }
 
-TEST_CASE("CUDA buffers come from dparallel's own pool; the GPU's default pool keeps its settings", "[cuda][memory]") {
+TEST_CASE("CUDA buffers come from dparallel's own pool, the GPU's default pool keeps its settings", "[cuda][memory]") {
   auto const attr = [](cudaMemPool_t p, cudaMemPoolAttr a) {
     std::uint64_t v = 0;
     dpl::cuda::check(cudaMemPoolGetAttribute(p, a, &v), "cudaMemPoolGetAttribute");
