@@ -17,6 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <span>
 #include <stdexcept>
@@ -26,6 +27,9 @@
 
 namespace dpl = dparallel;
 using gpu = dpl::cuda::backend;
+// DataParallel on GPUs: whole tensors per replica on its own stream, one slice per device
+// (core/dp_plan.hpp; the plans and the policies' use of them are tested on the host).
+static_assert(dpl::detail::dp_sharing_of<gpu>() == dpl::dp_sharing::per_device);
 
 namespace test {
 template <class T>
@@ -508,4 +512,35 @@ TEST_CASE("CUDA stream events are recorded on the stream's GPU whatever the work
   REQUIRE(timed.gpu_elapsed().has_value());
   CHECK(timed.gpu_elapsed()->count() > 0);
   CHECK_FALSE(e.gpu_elapsed().has_value());  // untimed work has no GPU time
+}
+
+TEST_CASE("CUDA buffers come from dparallel's own pool, the GPU's default pool keeps its settings", "[cuda][memory]") {
+  auto const attr = [](cudaMemPool_t p, cudaMemPoolAttr a) {
+    std::uint64_t v = 0;
+    dpl::cuda::check(cudaMemPoolGetAttribute(p, a, &v), "cudaMemPoolGetAttribute");
+    return v;
+  };
+  cudaMemPool_t shared = nullptr;
+  dpl::cuda::check(cudaDeviceGetDefaultMemPool(&shared, 0), "cudaDeviceGetDefaultMemPool");
+  std::uint64_t const threshold = attr(shared, cudaMemPoolAttrReleaseThreshold);
+  std::uint64_t const shared_used = attr(shared, cudaMemPoolAttrUsedMemCurrent);
+  dpl::device const gpu0{dpl::device_kind::cuda, 0, 0};
+  cudaMemPool_t const own = dpl::cuda::own_pool(0);
+  REQUIRE(own != nullptr);
+  CHECK(own != shared);
+  CHECK(attr(own, cudaMemPoolAttrReleaseThreshold) == UINT64_MAX);
+  std::uint64_t const used = attr(own, cudaMemPoolAttrUsedMemCurrent);
+  {
+    dpl::cuda::stream s(gpu0);
+    dpl::cuda::device_buffer<float> b(std::size_t{1} << 20, gpu0);
+    dpl::cuda::check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    CHECK(attr(own, cudaMemPoolAttrUsedMemCurrent) >= used + (std::size_t{4} << 20));
+    CHECK(attr(shared, cudaMemPoolAttrUsedMemCurrent) == shared_used);
+  }
+  dpl::cuda::check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  CHECK(attr(shared, cudaMemPoolAttrReleaseThreshold) == threshold);  // not raised for every user of the GPU
+  std::uint64_t const kept = attr(own, cudaMemPoolAttrReservedMemCurrent);
+  CHECK(kept >= (std::size_t{4} << 20));  // freed, still mapped for the next allocation
+  dpl::cuda::trim_pool_memory(0);
+  CHECK(attr(own, cudaMemPoolAttrReservedMemCurrent) < kept);
 }

@@ -12,10 +12,12 @@
 #include <dparallel/comm/nccl.hpp>
 #include <dparallel/dparallel.hpp>
 #include <dparallel/policy/compress_hooks.hpp>
+#include <dparallel/policy/nccl.hpp>
 #include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -278,4 +280,94 @@ TEST_CASE("NCCL thread ranks share one GPU only with the tests' opt-in, on an NC
     CHECK(v[0] == std::vector<float>{11, 22});
     CHECK(v[1] == v[0]);
   }
+}
+
+namespace {
+/// A model whose step function sets replica i's gradients to c_i * (j % 7 + 1), c_i = 0.5 + 0.25 i,
+/// held in one allocation (`flat`: nccl::dp reduces them in place) or one per gradient (packed
+/// into a bucket and copied back).
+template <class T>
+struct known_grads {
+  dpl::device dev = gpu0;
+  bool flat = true;
+  std::vector<std::size_t> sizes{5, 300, 1};
+  dpl::cuda::device_buffer<T> p, all;
+  std::vector<dpl::cuda::device_buffer<T>> each;
+  known_grads(dpl::device d, bool f) : dev(d), flat(f) {
+    std::size_t total = 0;
+    for (std::size_t n : sizes) total += n;
+    p = dpl::cuda::device_buffer<T>(4, dev);
+    if (flat) all = dpl::cuda::device_buffer<T>(total, dev);
+    for (std::size_t n : sizes)
+      if (!flat) each.emplace_back(n, dev);
+    dpl::cuda::device_guard g(dev.index);
+    dpl::cuda::check(cudaDeviceSynchronize(), "test");
+  }
+  known_grads(known_grads const& o) : known_grads(o.dev, o.flat) {}
+  known_grads make_replica(dpl::device d) const { return known_grads(d, flat); }
+  std::vector<dpl::tensor_ref> parameters() { return {p.view()}; }
+  std::vector<dpl::tensor_ref> gradients() {
+    std::vector<dpl::tensor_ref> out;
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      out.push_back(flat ? dpl::tensor_ref(all.data() + at, sizes[k], dpl::dtype_v<T>, dev) : dpl::tensor_ref(each[k].view()));
+      at += sizes[k];
+    }
+    return out;
+  }
+  static double value(std::size_t replica, std::size_t j) { return (0.5 + 0.25 * static_cast<double>(replica)) * static_cast<double>(j % 7 + 1); }
+  void fill(std::size_t replica) {
+    cudaStream_t const st = dpl::cuda::current_stream();
+    for (auto const& g : gradients()) {
+      std::vector<T> h(g.size());
+      for (std::size_t j = 0; j < h.size(); ++j) h[j] = T(static_cast<float>(value(replica, j)));
+      dpl::cuda::check(cudaMemcpyAsync(g.data(), h.data(), g.size_bytes(), cudaMemcpyHostToDevice, st), "test");
+      dpl::cuda::check(cudaStreamSynchronize(st), "test");
+    }
+  }
+};
+
+template <class T>
+void check_flattened_reduce(int n, bool flat, double tolerance) {
+  INFO("GPUs " << n << ", flat " << flat << ", " << dpl::name_of(dpl::dtype_v<T>));
+  known_grads<T> master(gpu0, flat);
+  dpl::parallel<known_grads<T>, dpl::nccl::dp, gpu> dp(master, dpl::cuda::devices(n));
+  // Batches of 3 (weights of a third: the F32 path for 16-bit gradients) and 8 (exact weights),
+  // then 3 again: the operators are replaced when the weights change.
+  for (std::size_t batch : {std::size_t{3}, std::size_t{8}, std::size_t{3}}) {
+    INFO("batch " << batch);
+    std::vector<float> rows(batch, 1.0f);
+    dp.step(dpl::tensor_view<float const>(rows.data(), rows.size()),
+            [](known_grads<T>& m, dpl::tensor_view<float const>, dpl::step_context& ctx) {
+              m.fill(static_cast<std::size_t>(ctx.replica()));
+            });
+    auto const& shards = dp.last_shard_sizes();
+    dpl::cuda::device_guard g(0);
+    dpl::cuda::check(cudaDeviceSynchronize(), "test");
+    for (auto const& t : master.gradients()) {
+      std::vector<T> got(t.size());
+      dpl::cuda::check(cudaMemcpy(got.data(), t.data(), t.size_bytes(), cudaMemcpyDeviceToHost), "test");
+      for (std::size_t j = 0; j < got.size(); ++j) {
+        double want = 0;  // the one-device gradient of the mean: sum_i (shard_i / batch) * g_i
+        for (std::size_t i = 0; i < shards.size(); ++i)
+          want += static_cast<double>(shards[i]) / static_cast<double>(batch) * known_grads<T>::value(i, j);
+        CHECK(std::abs(static_cast<double>(static_cast<float>(got[j])) - want) <= tolerance * want);
+      }
+    }
+  }
+}
+}  // namespace
+
+TEST_CASE("nccl::dp reduces flattened buckets to the one-device gradient, in place or packed, F32 and BF16",
+          "[cuda][nccl][dp][contract]") {
+  int const gpus = std::min(dpl::cuda::device_count(), 4);
+  if (gpus < 2) {
+    WARN("one GPU: nccl::dp's NCCL path needs distinct GPUs (lanes fall back to the copy/kernel path)");
+    return;
+  }
+  for (int n = 2; n <= gpus; ++n)
+    for (bool flat : {true, false}) {
+      check_flattened_reduce<float>(n, flat, 1e-6);
+      check_flattened_reduce<dpl::bf16>(n, flat, 0x1p-8);  // half a bf16 ulp: rounded once, from F32
+    }
 }

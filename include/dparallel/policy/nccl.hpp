@@ -2,15 +2,21 @@
 // DataParallel over distinct GPUs with NCCL (part of the NCCL add-on, dparallel::nccl): the
 // replicate and reduce policies of nccl::dp. When every device of the wrapper is its own GPU they
 // use one NCCL communicator per device (ncclCommInitAll, made at construction):
-//  - replicate: before every step, the master's parameters and buffers are broadcast to every
-//    replica in one ncclGroupStart/End (ncclBroadcast from device 0, each on its device's stream);
-//  - reduce: one group of ncclReduce with a pre-multiplying sum (ncclRedOpCreatePreMulSum: each
-//    replica's gradient times its shard's weight, inside NCCL's kernel; a replica without a shard
-//    contributes zeros) lands sum_i w_i * g_i in the master's gradients.
+//  - replicate: before every step, the master's parameters and buffers, flattened into one
+//    bucket per dtype, are broadcast to every replica in one ncclGroupStart/End (ncclBroadcast
+//    from device 0, one per bucket, each on its device's stream), and copied out of the buckets;
+//  - reduce: each device's gradients are flattened into one bucket per dtype (in place when they
+//    already lie back to back), and one group of ncclReduce, one call per bucket and device, with
+//    a pre-multiplying sum (ncclRedOpCreatePreMulSum: each replica's gradient times its shard's
+//    weight, inside NCCL's kernel; a replica without a shard contributes zeros) lands
+//    sum_i w_i * g_i in the master's gradients. The clique keeps one operator per device and
+//    dtype while its weight stays. A 16-bit bucket whose weights 16 bits cannot hold (a third)
+//    is reduced in F32 and rounded once at the end (detail/nccl_dp_plan.hpp).
 // Both policies share one clique (one communicator per device). A watchdog follows each group:
 // when it fails, or has not completed within options::timeout (a peer GPU hung), every
 // communicator is aborted (ncclCommAbort) and the step fails with an error naming the device(s)
-// and the cause; later steps fail at once (construct a new wrapper).
+// and the cause; so is a group whose enqueue fails (an NCCL call or an operator's creation);
+// later steps fail at once (construct a new wrapper).
 // When two logical devices share a GPU (NCCL refuses two ranks on one GPU), or there is a single
 // device, they fall back to the copy/kernel path of policy::replicate_each_step and
 // policy::reduce_to_master. NCCL's summation order is fixed for a given set of GPUs, so results
@@ -21,25 +27,20 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/backend.hpp>
-#include <dparallel/comm/detail/clique_watch.hpp>
-#include <dparallel/comm/detail/progress.hpp>
 #include <dparallel/comm/nccl.hpp>
-#include <dparallel/comm/work.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/detail/nccl_dp_plan.hpp>
 #include <dparallel/parallel.hpp>
+#include <dparallel/policy/nccl_clique.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replicate.hpp>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <chrono>
 #include <cstddef>
-#include <exception>
-#include <map>
-#include <mutex>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -47,221 +48,6 @@
 DPARALLEL_NAMESPACE_BEGIN
 namespace nccl {
 namespace dp_detail {
-
-/// One communicator per device of a DataParallel wrapper, device i being rank i; shared by the
-/// wrapper's replicate and reduce policies (one clique, not two). A watchdog (the engine-neutral
-/// collective_poller of comm/detail/progress.hpp, through clique_driver) follows every launched
-/// group: it polls an event recorded after the group on each device's stream and
-/// ncclCommGetAsyncError of each communicator, and when a group fails, or has not completed
-/// within options::timeout, it aborts every communicator (ncclCommAbort: the only way to end a
-/// hung NCCL collective; the communicators are unusable afterwards) and fails the group's work
-/// with an error naming the device(s) and the cause. A group whose launch fails midway is
-/// aborted the same way. Later groups fail at once with the first failure's reason.
-class device_comms {
- public:
-  device_comms(std::vector<device> const& devs, std::chrono::milliseconds timeout)
-      : devs_(devs), timeout_(timeout), members_{this}, driver_{members_} {
-    std::vector<int> ordinals;
-    for (auto const& d : devs) ordinals.push_back(d.index);
-    comms_.assign(devs.size(), nullptr);
-    check(ncclCommInitAll(comms_.data(), static_cast<int>(comms_.size()), ordinals.data()), "ncclCommInitAll", 0);
-    poller_ = std::make_unique<dparallel::detail::collective_poller<watch_driver>>(0, driver_);
-  }
-  device_comms(device_comms const&) = delete;
-  device_comms& operator=(device_comms const&) = delete;
-  ~device_comms() {
-    poller_->stop();  // each pending group ends at its deadline at the latest
-    if (poller_->aborted()) return;  // ncclCommAbort freed them
-    for (auto c : comms_)
-      if (c != nullptr) (void)ncclCommDestroy(c);
-  }
-  [[nodiscard]] ncclComm_t operator[](std::size_t i) const { return comms_[i]; }
-  [[nodiscard]] std::size_t size() const noexcept { return comms_.size(); }
-
-  /// Runs `held = prepare()` (NCCL objects the group uses, e.g. reduction operators), then
-  /// `launch(held)` (NCCL calls on these communicators, call i on `streams[i]`) between
-  /// ncclGroupStart and ncclGroupEnd, destroys `held`, and records each stream's completion event
-  /// for the watchdog; the group's work is kept until wait_all(). All of it runs under the
-  /// poller's launch mutex, so never concurrently with the watchdog's ncclCommAbort (nothing may
-  /// use a communicator while, or after, it is aborted), and only while the clique is healthy.
-  /// Everything that can be checked is checked by the caller before (so no group is left
-  /// half-filled by an argument error); if a call or ncclGroupEnd still fails, the clique is
-  /// aborted (NCCL: after an error nothing can be assumed about the enqueued operations) and the
-  /// error names `what`.
-  template <class Prepare, class Launch>
-  void run_group(std::string const& what, std::vector<cudaStream_t> const& streams, Prepare&& prepare,
-                 Launch&& launch) {
-    std::string launch_failure;
-    work w = poller_->launch(describe(what), timeout_, [&] {
-      try {
-        auto held = prepare();
-        check(ncclGroupStart(), "ncclGroupStart", 0);
-        try {
-          launch(held);
-        } catch (...) {
-          (void)ncclGroupEnd();
-          throw;
-        }
-        check(ncclGroupEnd(), "ncclGroupEnd", 0);
-        return record(streams);
-      } catch (std::exception const& e) {
-        launch_failure = e.what();
-        throw;
-      }
-    });
-    if (!launch_failure.empty()) poller_->abort("nccl::dp: launching " + what + " failed: " + launch_failure);
-    if (w.ready()) {  // failed at launch (or the clique had failed before): fail this work now
-      if (auto e = w.wait_nothrow()) std::rethrow_exception(e);
-      return;
-    }
-    std::lock_guard lock(m_);
-    pending_.push_back(std::move(w));
-  }
-
-  /// Waits for every group launched so far; throws the first failure (a timeout_error or
-  /// comm_error naming the device(s)), the clique being aborted by then.
-  void wait_all() {
-    std::vector<work> ws;
-    {
-      std::lock_guard lock(m_);
-      ws.swap(pending_);
-    }
-    std::exception_ptr first;
-    for (auto const& w : ws)
-      if (auto e = w.wait_nothrow(); e && !first) first = e;
-    if (first) std::rethrow_exception(first);
-  }
-
- private:
-  // The clique as clique_driver sees it: member i is device i's communicator, its token the
-  // event recorded after the group on device i's stream.
-  struct members {
-    using token = cudaEvent_t;
-    device_comms* c;
-    [[nodiscard]] std::size_t size() const { return c->comms_.size(); }
-    [[nodiscard]] std::string name(std::size_t i) const {
-      return "device " + std::to_string(i) + " (" + to_string(c->devs_[i]) + ")";
-    }
-    dparallel::detail::poll_result poll(std::size_t, cudaEvent_t& e) {
-      cudaError_t const q = cudaEventQuery(e);
-      if (q == cudaSuccess) return dparallel::detail::poll_result::done();
-      (void)cudaGetLastError();
-      if (q == cudaErrorNotReady) return dparallel::detail::poll_result::pending();
-      return dparallel::detail::poll_result::failed(std::string("the GPU reported ") + cudaGetErrorName(q) + ": " +
-                                                    cudaGetErrorString(q));
-    }
-    // NCCL reports errors of collectives already launched only through ncclCommGetAsyncError;
-    // after one, the communicator must be aborted (NCCL API, ncclCommGetAsyncError).
-    std::string async_error(std::size_t i) {
-      ncclResult_t r = ncclSuccess;
-      if (ncclCommGetAsyncError(c->comms_[i], &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return {};
-      return "NCCL reported " + std::string(ncclGetErrorString(r));
-    }
-    void release(std::size_t, cudaEvent_t& e) noexcept { (void)cudaEventDestroy(e); }
-    // ncclCommAbort with the communicator's GPU current; the poller calls it before it releases
-    // the events of the failed groups.
-    void abort(std::size_t i) noexcept {
-      try {
-        cuda::device_guard g(c->devs_[i].index);
-        (void)ncclCommAbort(c->comms_[i]);
-      } catch (...) {
-        (void)ncclCommAbort(c->comms_[i]);
-      }
-    }
-  };
-  using watch_driver = dparallel::detail::clique_driver<members>;
-
-  [[nodiscard]] std::string describe(std::string const& what) const {
-    std::string s = "nccl::dp " + what + " over";
-    for (auto const& d : devs_) s += " " + to_string(d);
-    return s;
-  }
-  // One event per device, recorded on its stream after the group's calls (an event must be
-  // recorded on a stream of the device it was created on: each is made with that device current).
-  std::vector<cudaEvent_t> record(std::vector<cudaStream_t> const& streams) {
-    std::vector<cudaEvent_t> events(streams.size(), nullptr);
-    try {
-      for (std::size_t i = 0; i < streams.size(); ++i) {
-        cuda::device_guard g(devs_[i].index);
-        cuda::check(cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming), "cudaEventCreateWithFlags");
-        cuda::check(cudaEventRecord(events[i], streams[i]), "cudaEventRecord");
-      }
-    } catch (...) {
-      for (auto e : events)
-        if (e != nullptr) (void)cudaEventDestroy(e);
-      throw;
-    }
-    return events;
-  }
-
-  std::vector<device> devs_;
-  std::chrono::milliseconds timeout_;
-  std::vector<ncclComm_t> comms_;
-  members members_;
-  watch_driver driver_;
-  std::mutex m_;
-  std::vector<work> pending_;  // groups launched since the last wait_all()
-  std::unique_ptr<dparallel::detail::collective_poller<watch_driver>> poller_;  // last: its thread uses the others
-};
-
-/// The clique of the DataParallel wrapper whose replica set is `set`: made by the first policy
-/// that asks, found by the second.
-inline std::shared_ptr<device_comms> clique_for(void const* set, std::vector<device> const& devs,
-                                               std::chrono::milliseconds timeout) {
-  static std::mutex m;
-  static std::map<void const*, std::weak_ptr<device_comms>> cliques;
-  std::lock_guard lock(m);
-  std::erase_if(cliques, [](auto const& kv) { return kv.second.expired(); });
-  auto& slot = cliques[set];
-  if (auto c = slot.lock()) return c;
-  auto c = std::make_shared<device_comms>(devs, timeout);
-  slot = c;
-  return c;
-}
-
-/// Whether every device is its own GPU (NCCL's requirement) and there are at least two.
-inline bool distinct_gpus(std::vector<device> const& devs) {
-  if (devs.size() < 2) return false;
-  for (std::size_t i = 0; i < devs.size(); ++i)
-    for (std::size_t j = 0; j < i; ++j)
-      if (devs[i].index == devs[j].index) return false;
-  return true;
-}
-
-/// A sum that multiplies each rank's input by `w` first, inside NCCL's reduction kernel
-/// (ncclRedOpCreatePreMulSum; the scalar has the reduction's dtype and is read by the host before
-/// the call returns: ncclScalarHostImmediate). It replaces a separate scaling pass that rounded
-/// f16/bf16 gradients to their own type once more before the sum. Destroyed after the last NCCL
-/// call using it returned (NCCL: an operator may be destroyed as soon as the last NCCL function
-/// given it returns).
-class premul_sum {
- public:
-  premul_sum(ncclComm_t comm, dtype t, double w) : comm_(comm) {
-    float const f = static_cast<float>(w);
-    __half const h = __float2half(f);
-    __nv_bfloat16 const b = __float2bfloat16(f);
-    void const* scalar = nullptr;
-    switch (t) {
-      case dtype::f64: scalar = &w; break;
-      case dtype::f32: scalar = &f; break;
-      case dtype::f16: scalar = &h; break;
-      case dtype::bf16: scalar = &b; break;
-      default:
-        throw invalid_argument("dparallel: nccl::dp: expected floating-point gradients (F32, F64, F16, BF16), found " +
-                               std::string(name_of(t)));
-    }
-    check(ncclRedOpCreatePreMulSum(&op_, const_cast<void*>(scalar), to_nccl(t), ncclScalarHostImmediate, comm_),
-          "ncclRedOpCreatePreMulSum", 0);
-  }
-  premul_sum(premul_sum const&) = delete;
-  premul_sum& operator=(premul_sum const&) = delete;
-  ~premul_sum() { (void)ncclRedOpDestroy(op_, comm_); }
-  [[nodiscard]] ncclRedOp_t op() const noexcept { return op_; }
-
- private:
-  ncclComm_t comm_;
-  ncclRedOp_t op_{};
-};
 
 template <class Set>
 constexpr void require_cuda() {
@@ -285,58 +71,143 @@ struct with_comms {
   }
 };
 
+/// Where a wrapper's flat buckets (detail/nccl_dp_plan.hpp) live, per device and bucket: the
+/// device's tensors themselves when they lie back to back in the bucket's dtype
+/// (bucket_in_place), else memory kept for the bucket between steps (grown when needed).
+struct flat_storage {
+  std::vector<std::vector<tensor_ref>> flat;  ///< [device][bucket]: what NCCL reads and writes
+  std::vector<std::vector<bool>> in_place;    ///< [device][bucket]: flat is the tensors' own memory
+
+  /// Sizes the tables for `devices` devices and `buckets` buckets (the memory is kept).
+  void resize(std::size_t devices, std::size_t buckets) {
+    flat.resize(devices);
+    in_place.resize(devices);
+    memory_.resize(devices);
+    for (std::size_t i = 0; i < devices; ++i) {
+      flat[i].assign(buckets, tensor_ref{});
+      in_place[i].assign(buckets, false);
+      memory_[i].resize(buckets);
+    }
+  }
+  /// Sets flat[i][b] for bucket `bk` over device i's `tensors` (on `dev`), allocating its memory
+  /// when needed, zeroed in the order of `consumer` (nullptr: zeroed and waited for).
+  void place(std::size_t i, std::size_t b, dparallel::detail::flat_bucket const& bk, std::span<tensor_ref const> tensors,
+             device dev, cudaStream_t consumer) {
+    in_place[i][b] = dparallel::detail::bucket_in_place(bk, tensors);
+    if (in_place[i][b]) {
+      flat[i][b] = tensor_ref(tensors[bk.members[0]].data(), bk.elements, bk.grads, dev);
+      return;
+    }
+    std::size_t const bytes = bk.elements * size_of(bk.reduce_in);
+    auto& mem = memory_[i][b];
+    if (mem.bytes < bytes) mem = {cuda::allocate(dev, bytes, consumer), bytes};
+    flat[i][b] = tensor_ref(mem.data.get(), bk.elements, bk.reduce_in, dev);
+  }
+
+ private:
+  struct kept {
+    std::shared_ptr<std::byte> data;
+    std::size_t bytes = 0;
+  };
+  std::vector<std::vector<kept>> memory_;
+};
+
 }  // namespace dp_detail
 
-/// Replicate: ncclBroadcast of the master's parameters and buffers from device 0 before every
-/// step; the copy path of policy::replicate_each_step when the devices are not distinct GPUs.
+/// Replicate: the master's parameters and buffers flattened into one bucket per dtype, then one
+/// grouped ncclBroadcast per bucket and replica from device 0 before every step, and each replica
+/// copies its buckets into its tensors on its own stream (no copy where a device's tensors are one
+/// allocation); the copy path of policy::replicate_each_step when the devices are not distinct
+/// GPUs.
 struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> {
-  /// Broadcasts the master's parameters and buffers to the replicas that receive a shard.
+  /// Broadcasts the master's parameters and buffers to every replica.
   template <class Set>
   void before_step(Set& s) {
     if (!comms) {
       fallback.before_step(s);
       return;
     }
-    // One thread (stream 0's) launches the whole group, each call on its device's stream; the
-    // other streams wait for the launch before they launch anything after it.
-    auto const launched = s.streams[0]->enqueue([&s, c = comms] {
-      // Checked before ncclGroupStart: a bad tensor must not leave a half-launched group.
-      for (std::size_t i = 0; i < s.size(); ++i)
-        for (std::size_t k = 0; k < s.params[i].size() + s.bufs[i].size(); ++k) {
-          tensor_ref const dst = k < s.params[i].size() ? s.params[i][k] : s.bufs[i][k - s.params[i].size()];
-          tensor_ref const src = k < s.params[i].size() ? s.params[0][k] : s.bufs[0][k - s.params[i].size()];
-          (void)to_nccl(dst.dtype());
-          dparallel::detail::require(dst.size() == src.size() && dst.dtype() == src.dtype(), [&] {
-            return "nccl::dp replicate: tensor " + std::to_string(k) + " of replica " + std::to_string(i) + " has " +
-                   std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + ", the master's " +
-                   std::to_string(src.size()) + " x " + std::string(name_of(src.dtype()));
-          });
-        }
+    plan(s);
+    // One thread (stream 0's) fills the master's buckets and launches the whole group, each call
+    // on its device's stream; the other streams wait for the launch before they copy their
+    // buckets out (their copies follow the broadcast on their own stream).
+    auto const launched = s.streams[0]->enqueue([this, &s, c = comms] {
+      auto& st = *s.streams[0];
+      for (std::size_t b = 0; b < buckets_.size(); ++b)
+        if (!store_.in_place[0][b]) copy_members(st, 0, b, true);
       std::vector<cudaStream_t> streams;
       for (std::size_t i = 0; i < s.size(); ++i) streams.push_back(s.streams[i]->native());
       c->run_group("broadcast (replicate)", streams, [] { return 0; }, [&](int) {
-        for (std::size_t i = 0; i < s.size(); ++i) {
-          auto const& params = s.params[i];
-          auto const& bufs = s.bufs[i];
-          for (std::size_t k = 0; k < params.size() + bufs.size(); ++k) {
-            tensor_ref const dst = k < params.size() ? params[k] : bufs[k - params.size()];
-            tensor_ref const src = k < params.size() ? s.params[0][k] : s.bufs[0][k - params.size()];
-            if (dst.size() == 0) continue;
+        for (std::size_t i = 0; i < s.size(); ++i)
+          for (std::size_t b = 0; b < buckets_.size(); ++b) {
+            tensor_ref const src = store_.flat[0][b], dst = store_.flat[i][b];
             check(ncclBroadcast(src.data(), dst.data(), dst.size(), to_nccl(dst.dtype()), 0, (*c)[i],
                                 s.streams[i]->native()),
                   "ncclBroadcast", static_cast<int>(i));
           }
-        }
       });
     });
-    for (std::size_t i = 1; i < s.size(); ++i) s.streams[i]->wait(launched);
+    for (std::size_t i = 1; i < s.size(); ++i) {
+      s.streams[i]->wait(launched);
+      s.streams[i]->enqueue([this, &s, i] {
+        for (std::size_t b = 0; b < buckets_.size(); ++b)
+          if (!store_.in_place[i][b]) copy_members(*s.streams[i], i, b, false);
+      });
+    }
   }
+
+ private:
+  // (calling thread) Every device's parameters then buffers, checked against the master's before
+  // anything is enqueued (no group is left half-filled by an argument error), their buckets and
+  // where those live. Read by the step's work until it completes (the step drains its streams).
+  template <class Set>
+  void plan(Set& s) {
+    tensors_.resize(s.size());
+    for (std::size_t i = 0; i < s.size(); ++i) dparallel::detail::assign_joined(tensors_[i], s.params[i], s.bufs[i]);
+    for (std::size_t i = 1; i < s.size(); ++i)
+      for (std::size_t k = 0; k < tensors_[0].size(); ++k) {
+        tensor_ref const src = tensors_[0][k];
+        tensor_ref const dst = k < tensors_[i].size() ? tensors_[i][k] : tensor_ref{};
+        (void)to_nccl(src.dtype());
+        dparallel::detail::require(tensors_[i].size() == tensors_[0].size() && dst.size() == src.size() &&
+                                       dst.dtype() == src.dtype(),
+                                   [&] {
+                                     return "nccl::dp replicate: tensor " + std::to_string(k) + " of replica " +
+                                            std::to_string(i) + " has " + std::to_string(dst.size()) + " x " +
+                                            std::string(name_of(dst.dtype())) + ", the master's " +
+                                            std::to_string(src.size()) + " x " + std::string(name_of(src.dtype()));
+                                   });
+      }
+    buckets_ = dparallel::detail::plan_flat_buckets(std::span<tensor_ref const>(tensors_[0]), {});
+    store_.resize(s.size(), buckets_.size());
+    for (std::size_t i = 0; i < s.size(); ++i)
+      for (std::size_t b = 0; b < buckets_.size(); ++b)
+        store_.place(i, b, buckets_[b], std::span<tensor_ref const>(tensors_[i]), s.devices[i], nullptr);
+  }
+
+  // Bucket b's members between device i's tensors and its flat bucket, on `st` (device i's
+  // stream): into the bucket (`in`) or out of it.
+  template <class Stream>
+  void copy_members(Stream& st, std::size_t i, std::size_t b, bool in) {
+    auto const& bk = buckets_[b];
+    for (std::size_t j = 0; j < bk.members.size(); ++j) {
+      tensor_ref const t = tensors_[i][bk.members[j]];
+      tensor_ref const f = store_.flat[i][b].subview(bk.offsets[j], t.size());
+      cuda::copy(st.native(), st.logical_device(), in ? f : t, in ? t : f);
+    }
+  }
+
+  std::vector<std::vector<tensor_ref>> tensors_;       // per device: its parameters, then buffers
+  std::vector<dparallel::detail::flat_bucket> buckets_;  // one per dtype
+  dp_detail::flat_storage store_;                       // where each device's buckets live
 };
 static_assert(replicate_policy<broadcast_replicate>);
 
-/// Reduce: weights applied on each replica's stream, then grouped ncclReduce (sum) onto the
-/// master; the pairwise copy/kernel path of policy::reduce_to_master when the devices are not
-/// distinct GPUs.
+/// Reduce: each device's gradients flattened into one bucket per dtype (detail/nccl_dp_plan.hpp),
+/// then one grouped ncclReduce per bucket and device onto the master, the shard weights applied
+/// inside NCCL's sum by one pre-multiplying operator per device and dtype (kept by the clique
+/// while the weight stays); the pairwise copy/kernel path of policy::reduce_to_master when the
+/// devices are not distinct GPUs.
 struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
   /// Nothing to do before the step functions run.
   template <class Set>
@@ -345,59 +216,127 @@ struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
   template <class Set>
   void grad_ready(Set&, int, std::size_t) {}
 
-  /// Weights each replica's gradients, then reduces them onto the master in one NCCL group.
+  /// Flattens each device's gradients on its stream, reduces the buckets onto the master in one
+  /// NCCL group, and copies the master's buckets back into its gradients.
   template <class Set>
   void finish(Set& s) {
     if (!comms) {
       fallback.finish(s);
       return;
     }
-    // A replica without a shard contributes zeros (its gradient holds a stale value, and 0 * inf
-    // would be NaN). The shard weights are applied inside NCCL's sum (premul_sum).
-    std::vector<typename Set::event_type> zeroed;
+    plan(s);
+    // Each device fills its buckets on its own stream, after its step function: its gradients
+    // converted or copied in, or zeros when it had no shard (its gradient holds a stale value,
+    // and 0 * inf would be NaN), or nothing when a bucket is its gradients' own memory.
     for (std::size_t i = 0; i < s.size(); ++i) {
-      if (s.active(i)) continue;
-      zeroed.push_back(s.streams[i]->enqueue([&s, i] {
-        auto& st = *s.streams[i];
-        for (auto const& g : s.grads[i]) cuda::zero(st.native(), st.logical_device(), g);
-      }));
+      auto const packed = s.streams[i]->enqueue([this, &s, i] { pack(s, i); });
+      if (i != 0) s.streams[0]->wait(packed);
     }
-    for (auto const& e : zeroed) s.streams[0]->wait(e);
     // The group below enqueues ncclReduce on every device's stream from stream 0's thread: it
-    // must come after each device's step function launched its backward on that stream, so
-    // stream 0 waits for every step function's launches first (wait() needs the CUDA event,
-    // which exists once the work launched).
-    for (std::size_t i = 1; i < s.size(); ++i) s.streams[0]->wait(s.compute_done[i]);
-    auto const launched = s.streams[0]->enqueue([&s, c = comms] {
-      // Operators made, and every argument checked, before ncclGroupStart: no partial group.
-      // They are made and destroyed inside run_group (never on an aborted communicator), the
-      // destruction after ncclGroupEnd returned.
-      using op_table = std::vector<std::vector<std::unique_ptr<dp_detail::premul_sum>>>;
-      auto const make_ops = [&] {
-        op_table ops(s.size());
-        for (std::size_t i = 0; i < s.size(); ++i)
-          for (auto const& g : s.grads[i])
-            ops[i].push_back(std::make_unique<dp_detail::premul_sum>((*c)[i], g.dtype(), s.active(i) ? s.weight(i) : 0.0));
-        return ops;
-      };
+    // must come after each device's packing was launched on that stream, so stream 0 waits for
+    // those launches first (wait() needs the CUDA event, which exists once the work launched).
+    auto const launched = s.streams[0]->enqueue([this, &s, c = comms] {
+      std::size_t const nb = buckets_.size();
       std::vector<cudaStream_t> streams;
       for (std::size_t i = 0; i < s.size(); ++i) streams.push_back(s.streams[i]->native());
-      c->run_group("reduce", streams, make_ops, [&](op_table const& ops) {
+      // The operators are found or made inside run_group (never on an aborted communicator); a
+      // failure there, or of any NCCL call, aborts the clique and fails the step.
+      auto const ops = [&] {
+        std::vector<ncclRedOp_t> out;
         for (std::size_t i = 0; i < s.size(); ++i)
-          for (std::size_t k = 0; k < s.grads[i].size(); ++k) {
-            auto const& g = s.grads[i][k];
-            if (g.size() == 0) continue;
-            check(ncclReduce(g.data(), g.data(), g.size(), to_nccl(g.dtype()), ops[i][k]->op(), 0, (*c)[i],
+          for (std::size_t b = 0; b < nb; ++b) out.push_back(c->premul(i, buckets_[b].reduce_in, weights_[b].weights[i]));
+        return out;
+      };
+      c->run_group("reduce", streams, ops, [&](std::vector<ncclRedOp_t> const& op) {
+        for (std::size_t i = 0; i < s.size(); ++i)
+          for (std::size_t b = 0; b < nb; ++b) {
+            tensor_ref const f = store_.flat[i][b];
+            check(ncclReduce(f.data(), f.data(), f.size(), to_nccl(f.dtype()), op[i * nb + b], 0, (*c)[i],
                              s.streams[i]->native()),
                   "ncclReduce", static_cast<int>(i));
           }
       });
+      unpack(s);
       // The watchdog's verdict on this step's groups (the broadcast and this reduce): a hung or
       // failed group was aborted by now and fails the step, naming the device(s) and the cause.
       c->wait_all();
     });
     for (std::size_t i = 1; i < s.size(); ++i) s.streams[i]->wait(launched);
   }
+
+ private:
+  // (calling thread) The step's buckets and weights, every argument checked before any work is
+  // enqueued (no group is left half-filled by an argument error). Read by the step's work until
+  // it completes: the step drains every stream before it returns or throws.
+  template <class Set>
+  void plan(Set& s) {
+    sizes_.assign(s.shard_sizes.begin(), s.shard_sizes.end());
+    auto const& master = s.grads[0];
+    for (std::size_t i = 1; i < s.size(); ++i) {
+      auto const& g = s.grads[i];
+      bool same = g.size() == master.size();
+      for (std::size_t k = 0; same && k < g.size(); ++k)
+        same = g[k].size() == master[k].size() && g[k].dtype() == master[k].dtype();
+      dparallel::detail::require(same, [&] {
+        return "nccl::dp reduce: replica " + std::to_string(i) + " (" + to_string(s.devices[i]) +
+               ") has gradients of other sizes or dtypes than the master's; every replica must be the "
+               "master's copy (make_replica)";
+      });
+    }
+    buckets_ = dparallel::detail::plan_flat_buckets(std::span<tensor_ref const>(master), sizes_);
+    weights_.clear();
+    for (auto const& b : buckets_) {
+      dparallel::detail::require(b.grads == dtype::f32 || b.grads == dtype::f64 || b.grads == dtype::f16 ||
+                                     b.grads == dtype::bf16,
+                                 [&] {
+                                   return "nccl::dp reduce: expected floating-point gradients (F32, F64, F16, BF16), "
+                                          "found " +
+                                          std::string(name_of(b.grads));
+                                 });
+      weights_.push_back(dparallel::detail::choose_premul(b.grads, sizes_));
+    }
+    store_.resize(s.size(), buckets_.size());
+  }
+
+  // (device i's stream) Fills device i's buckets.
+  template <class Set>
+  void pack(Set& s, std::size_t i) {
+    auto& st = *s.streams[i];
+    device const dev = st.logical_device();
+    std::span<tensor_ref const> const grads(s.grads[i]);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto const& bk = buckets_[b];
+      store_.place(i, b, bk, grads, dev, st.native());  // new memory zeroed on this stream
+      tensor_ref const flat = store_.flat[i][b];
+      if (!s.active(i)) {
+        cuda::zero(st.native(), dev, flat);
+      } else if (!store_.in_place[i][b]) {
+        for (std::size_t j = 0; j < bk.members.size(); ++j) {
+          tensor_ref const g = grads[bk.members[j]];
+          cuda::convert(st.native(), dev, flat.subview(bk.offsets[j], g.size()), g);
+        }
+      }
+    }
+  }
+
+  // (stream 0, after the group) The master's buckets back into its gradients, converted once.
+  template <class Set>
+  void unpack(Set& s) {
+    auto& st = *s.streams[0];
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if (store_.in_place[0][b]) continue;
+      auto const& bk = buckets_[b];
+      for (std::size_t j = 0; j < bk.members.size(); ++j) {
+        tensor_ref const g = s.grads[0][bk.members[j]];
+        cuda::convert(st.native(), st.logical_device(), g, store_.flat[0][b].subview(bk.offsets[j], g.size()));
+      }
+    }
+  }
+
+  std::vector<std::size_t> sizes_;                            // shard size per device (0: none)
+  std::vector<dparallel::detail::flat_bucket> buckets_;       // one per gradient dtype
+  std::vector<dparallel::detail::premul_weights> weights_;    // per bucket
+  dp_detail::flat_storage store_;                             // where each device's buckets live
 };
 static_assert(reduce_policy<weighted_reduce>);
 

@@ -2,7 +2,7 @@
 // Reduce policies: how the replicas' gradients are combined after (or during) backward.
 
 #include <dparallel/config.hpp>
-#include <dparallel/core/stripes.hpp>
+#include <dparallel/core/dp_plan.hpp>
 #include <dparallel/policy/replicate.hpp>
 
 #include <concepts>
@@ -24,8 +24,8 @@ concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_
 };
 
 namespace detail {
-/// Backends with the borrowed form of weighted_sum (host::backend): several sums over lists the
-/// caller keeps, as one piece of work.
+/// Backends with the borrowed form of weighted_sum (host::backend, cuda::backend): several sums
+/// over lists the caller keeps, as one piece of work.
 template <class Backend>
 concept borrowed_weighted_sum = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t,
                                          std::span<double const> w) { Backend::weighted_sum(s, t, t, w); };
@@ -36,16 +36,16 @@ namespace policy {
 /// DataParallel: the master's gradient becomes sum_i w_i * g_i over the replicas that received a
 /// shard, w_i being the shard's share of the batch, summed pairwise in device order
 /// (host::weighted_sum), so results are deterministic and equal the one-device gradient of the
-/// mean loss. The work is split by elements: each of the m replicas that ran reduces the k-th
-/// of m slices of every gradient on its own stream, once every replica's step function is done,
-/// so the reduction runs on all those devices at once (the sum of each element is the same
-/// expression whichever device computes it: the same bits as one device doing it all). The
-/// master's stream then waits for every slice.
-/// On a backend with the borrowed weighted_sum (host::backend) a device's share of a gradient is
-/// its stripes (64 KiB or more, dealt out round robin, core/stripes.hpp) rather than one slice, and each
-/// device's stripes are one piece of work over lists the policy keeps as members, refilled in
-/// place: a steady-state step allocates no list (the stream's work and events still do; see
-/// parallel::run_step).
+/// mean loss. The work is split by elements: each of the m replicas that ran reduces its part of
+/// every gradient on its own stream, once every replica's step function is done, so the
+/// reduction runs on all those devices at once (the sum of each element is the same expression
+/// whichever device computes it: the same bits as one device doing it all). The master's stream
+/// then waits for every part. A device's part is the backend's layout (core/dp_plan.hpp,
+/// plan_reduce): its stripes (64 KiB or more, dealt out round robin, core/stripes.hpp) on
+/// host::backend, one contiguous slice per gradient on cuda::backend. On a backend with the
+/// borrowed weighted_sum a device's parts are one piece of work over lists the policy keeps as
+/// members, refilled in place: a steady-state step allocates no list (the stream's work and
+/// events still do; see parallel::run_step); elsewhere each part is a call of its own.
 struct reduce_to_master {
   /// Nothing to prepare.
   template <class Set>
@@ -62,6 +62,7 @@ struct reduce_to_master {
   void finish(Set& s) {
     using backend = typename Set::backend_type;
     constexpr bool borrowed = detail::borrowed_weighted_sum<backend>;
+    constexpr dp_sharing how = detail::dp_sharing_of<backend>();
     active_.clear();
     w_.clear();
     for (std::size_t i = 0; i < s.size(); ++i) {
@@ -76,38 +77,28 @@ struct reduce_to_master {
       if (dst_.size() < m) dst_.resize(m);
       if (src_.size() < m) src_.resize(m);
     }
+    std::span<tensor_ref const> const grads(s.grads[0]);
     for (std::size_t k = 0; k < m; ++k) {
       auto& stream = *s.streams[active_[k]];
       for (std::size_t j : active_)
         if (j != active_[k]) stream.wait(s.compute_done[j]);
-      if constexpr (borrowed) {
+      if constexpr (borrowed) {  // one list per device, summed by one call
         dst_[k].clear();
         src_[k].clear();
-      }
-      for (std::size_t p = 0; p < s.grads[0].size(); ++p) {
-        tensor_ref const g = s.grads[0][p];
-        if constexpr (borrowed) {
-          // Host threads: device k's stripes of the gradient (core/stripes.hpp says why not one
-          // contiguous slice); one list per device, summed by one call below.
-          detail::for_each_stripe(g.size(), static_cast<int>(m), static_cast<int>(k), size_of(g.dtype()),
-                                  [&](std::size_t lo, std::size_t hi) {
-                                    dst_[k].push_back(g.subview(lo, hi - lo));
-                                    for (std::size_t i : active_) src_[k].push_back(s.grads[i][p].subview(lo, hi - lo));
-                                  });
-        } else {  // a kernel per slice: one contiguous slice per device
-          std::size_t const n = g.size();
-          std::size_t const lo = n * k / m, hi = n * (k + 1) / m;
-          if (lo == hi) continue;
-          std::vector<tensor_ref> src;
-          src.reserve(m);
-          for (std::size_t i : active_) src.push_back(s.grads[i][p].subview(lo, hi - lo));
-          backend::weighted_sum(stream, g.subview(lo, hi - lo), std::move(src), w_);
-        }
-      }
-      if constexpr (borrowed) {
+        detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
+          dst_[k].push_back(grads[r.tensor].subview(r.lo, r.hi - r.lo));
+          for (std::size_t i : active_) src_[k].push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
+        });
         if (!dst_[k].empty())
           backend::weighted_sum(stream, std::span<tensor_ref const>(dst_[k]), std::span<tensor_ref const>(src_[k]),
                                 std::span<double const>(w_));
+      } else {  // a call per part
+        detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
+          std::vector<tensor_ref> src;
+          src.reserve(m);
+          for (std::size_t i : active_) src.push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
+          backend::weighted_sum(stream, grads[r.tensor].subview(r.lo, r.hi - r.lo), std::move(src), w_);
+        });
       }
       if (active_[k] != 0) s.streams[0]->wait(stream.record());
     }

@@ -4,7 +4,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/model.hpp>
-#include <dparallel/core/stripes.hpp>
+#include <dparallel/core/dp_plan.hpp>
 #include <dparallel/detail/replica_set.hpp>
 
 #include <concepts>
@@ -28,8 +28,8 @@ struct archetype_backend {
 };
 using archetype_set = replica_set<archetype_model, archetype_backend>;
 
-/// Backends with the borrowed form of copy_all (host::backend): the policies pass it lists they
-/// keep as members instead of building new vectors every step.
+/// Backends with the borrowed form of copy_all (host::backend, cuda::backend): the policies pass
+/// it lists they keep as members instead of building new vectors every step.
 template <class Backend>
 concept borrowed_copy_all = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t) {
   Backend::copy_all(s, t, t);
@@ -56,14 +56,15 @@ namespace policy {
 /// that receives a shard, and the replicas persist between steps. Every replica's step waits for
 /// every copy into it, and the master's own step for every copy out of it, so a step function may
 /// update the master's buffers (running statistics) without racing them.
-/// On a backend with the borrowed copy_all (host::backend) the copying is shared out as the
-/// reduction is (core/stripes.hpp): each device that runs a shard copies its stripes of every
-/// master tensor into every other replica, as one piece of work on its stream, over lists the
-/// policy keeps as members, refilled in place (a steady-state step allocates no list; the
-/// stream's work and events still do; see run_step). The stripes a device copies are the ones
-/// it reduced, and an optimizer stepped through the wrapper updated (optim::optimizer), so they
-/// are still in its cache. Elsewhere (a kernel per copy) each replica's stream copies all of its
-/// own tensors.
+/// Who copies what is the backend's layout (core/dp_plan.hpp, plan_replica_copies):
+/// dp_sharing::stripes (host::backend) shares the copying out as the reduction is: each device
+/// that runs a shard copies its stripes of every master tensor into every other replica, the
+/// stripes it reduced and an optimizer stepped through the wrapper updated (optim::optimizer), so
+/// they are still in its cache. dp_sharing::per_device (cuda::backend) has each replica pull the
+/// master's tensors whole on its own stream, one copy per tensor. On a backend with the borrowed
+/// copy_all each copier's copies are one piece of work on its stream over lists the policy keeps
+/// as members, refilled in place (a steady-state step allocates no list; the stream's work and
+/// events still do; see run_step); elsewhere each replica's stream gets a list of its own.
 struct replicate_each_step {
   /// Nothing to do: replicas are refreshed before each step.
   template <class Set>
@@ -75,8 +76,8 @@ struct replicate_each_step {
     using backend = typename Set::backend_type;
     auto const master_ready = s.streams[0]->record();
     if constexpr (detail::borrowed_copy_all<backend>) {
-      striped(s, master_ready);
-    } else {  // a kernel per copy: each replica's stream copies all of its tensors
+      planned(s, master_ready);
+    } else {  // no borrowed lists: each replica's stream copies all of its tensors
       for (std::size_t i = 1; i < s.size(); ++i) {
         if (!s.active(i)) continue;
         std::vector<tensor_ref> dst, src;
@@ -89,13 +90,14 @@ struct replicate_each_step {
   }
 
  private:
-  // The host's form. The copiers are the master and every replica that runs a shard; copier k of
-  // m copies its stripes of each master tensor into every copier but the master; then each copier
-  // waits for the others' pieces (the master's compute for the reads of its buffers, a replica's
+  // The borrowed form. The copiers are the master and every replica that runs a shard; copier k
+  // of m issues its copies of the plan as one piece of work on its stream; then each copier waits
+  // for the copies that touch it (the master's compute for the reads of its buffers, a replica's
   // for the writes into it).
   template <class Set>
-  void striped(Set& s, typename Set::event_type const& master_ready) {
+  void planned(Set& s, typename Set::event_type const& master_ready) {
     using backend = typename Set::backend_type;
+    constexpr dp_sharing how = detail::dp_sharing_of<backend>();
     copiers_.assign(1, 0);
     for (std::size_t i = 1; i < s.size(); ++i)
       if (s.active(i)) copiers_.push_back(i);
@@ -109,36 +111,30 @@ struct replicate_each_step {
     for (std::size_t k = 0; k < m; ++k) {
       dst_[k].clear();
       src_[k].clear();
-      for (std::size_t t = 0; t < master_.size(); ++t) {
-        tensor_ref const from = master_[t];
-        detail::for_each_stripe(from.size(), static_cast<int>(m), static_cast<int>(k), size_of(from.dtype()),
-                                [&](std::size_t lo, std::size_t hi) {
-                                  for (std::size_t a = 1; a < m; ++a) {
-                                    auto const& params = s.params[copiers_[a]];
-                                    tensor_ref const to =
-                                        t < params.size() ? params[t] : s.bufs[copiers_[a]][t - params.size()];
-                                    dst_[k].push_back(to.subview(lo, hi - lo));
-                                    src_[k].push_back(from.subview(lo, hi - lo));
-                                  }
-                                });
-      }
+      detail::plan_replica_copies(how, m, k, std::span<tensor_ref const>(master_), [&](detail::replica_copy const& c) {
+        std::size_t const r = copiers_[c.to];
+        auto const& params = s.params[r];
+        tensor_ref const to = c.tensor < params.size() ? params[c.tensor] : s.bufs[r][c.tensor - params.size()];
+        dst_[k].push_back(to.subview(c.lo, c.hi - c.lo));
+        src_[k].push_back(master_[c.tensor].subview(c.lo, c.hi - c.lo));
+      });
     }
     s.copied.resize(s.size());
     for (std::size_t k = 0; k < m; ++k) {
       auto& stream = *s.streams[copiers_[k]];
-      if (k != 0) stream.wait(master_ready);
+      if (k != 0 && !dst_[k].empty()) stream.wait(master_ready);
       s.copied[copiers_[k]] = dst_[k].empty() ? typename Set::event_type{}
                                               : backend::copy_all(stream, std::span<tensor_ref const>(dst_[k]),
                                                                   std::span<tensor_ref const>(src_[k]));
     }
     for (std::size_t a = 0; a < m; ++a)
       for (std::size_t k = 0; k < m; ++k)
-        if (k != a) s.streams[copiers_[a]]->wait(s.copied[copiers_[k]]);
+        if (!dst_[k].empty() && detail::replica_copies_touch(how, k, a)) s.streams[copiers_[a]]->wait(s.copied[copiers_[k]]);
   }
 
   std::vector<std::size_t> copiers_;                // the master, then the replicas that run a shard
   std::vector<tensor_ref> master_;                  // the master's parameters, then its buffers
-  std::vector<std::vector<tensor_ref>> dst_, src_;  // per copier: its pieces' targets and sources
+  std::vector<std::vector<tensor_ref>> dst_, src_;  // per copier: its copies' targets and sources
 };
 static_assert(replicate_policy<replicate_each_step>);
 

@@ -25,6 +25,7 @@
 #include <dparallel/backend/cuda/stream.hpp>
 #include <dparallel/backend/cuda/topology.hpp>
 #include <dparallel/core/device.hpp>
+#include <dparallel/core/dp_plan.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/profile.hpp>
 #include <dparallel/core/tensor_view.hpp>
@@ -118,6 +119,13 @@ struct backend {
   using event_type = cuda::event;
   /// The kind of device this backend runs on.
   static constexpr device_kind kind = device_kind::cuda;
+  /// DataParallel's layout (core/dp_plan.hpp): each replica pulls the master's tensors whole on
+  /// its own stream (one peer copy per tensor, whose endpoints are the master's GPU and the
+  /// stream's), and each device sums one contiguous slice of every gradient (one staged peer copy
+  /// per source GPU and slice, one batched kernel, one copy back). Stripes would multiply the
+  /// copies (about 8 per tensor and replica) and, on 3 GPUs or more, issue copies between two
+  /// GPUs on a third GPU's stream.
+  static constexpr dp_sharing dp_share = dp_sharing::per_device;
 
   /// One logical device per visible GPU; an error when there is none.
   static std::vector<device> all_devices() {

@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
@@ -102,9 +103,47 @@ inline void check_pointer(tensor_ref t, char const* what) {
   }
 }
 
+/// dparallel's own memory pool on GPU `ordinal` (cudaMemPoolCreate, made at the first call, kept
+/// for the process), from which cuda::device_buffer and the streams' staging allocate; nullptr
+/// where the GPU has no stream-ordered allocator (then they use cudaMallocAsync's default pool).
+/// Its release threshold is "never": what it frees stays mapped for dparallel's next allocation
+/// instead of going back to the driver at every synchronisation (CUDA Programming Guide, "Stream
+/// Ordered Memory Allocator", physical page caching behavior). The GPU's default pool, which
+/// other libraries share (PyTorch's caching allocator among them), keeps its own settings.
+inline cudaMemPool_t own_pool(int ordinal) {
+  static std::mutex m;
+  static std::map<int, cudaMemPool_t> pools;
+  std::lock_guard lock(m);
+  if (auto it = pools.find(ordinal); it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = ordinal;
+  cudaMemPool_t pool = nullptr;
+  if (cudaMemPoolCreate(&pool, &props) == cudaSuccess) {
+    std::uint64_t keep = UINT64_MAX;
+    (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+  } else {
+    pool = nullptr;  // no pool support: cudaMallocAsync reports it where it is used
+  }
+  (void)cudaGetLastError();
+  pools.emplace(ordinal, pool);
+  return pool;
+}
+
+/// Returns the memory that dparallel's pool on GPU `ordinal` (own_pool) holds beyond what its
+/// live buffers use to the driver (cudaMemPoolTrimTo), for a program that needs it elsewhere.
+/// Buffers freed by work still queued on a stream are returned once that work is done and this
+/// is called again. The default pool is not touched.
+inline void trim_pool_memory(int ordinal) {
+  if (cudaMemPool_t p = own_pool(ordinal)) check(cudaMemPoolTrimTo(p, 0), "cudaMemPoolTrimTo");
+}
+
 /// The transport between GPUs `from` and `to` (topology.hpp), asked of the driver once per pair.
 /// For a peer pair, direct access is granted both ways, once per process, for cudaMalloc memory
-/// (cudaDeviceEnablePeerAccess) and for each GPU's default memory pool (cudaMemPoolSetAccess:
+/// (cudaDeviceEnablePeerAccess) and for each GPU's default memory pool and dparallel's own
+/// (own_pool) (cudaMemPoolSetAccess:
 /// pool allocations do not follow cudaDeviceEnablePeerAccess; CUDA Programming Guide, "Stream
 /// Ordered Memory Allocator", device accessibility for multi-GPU support). The backend still never
 /// launches a kernel on other GPUs' memory (a model may allocate from another pool): the grants
@@ -125,14 +164,13 @@ inline transport link(int from, int to) {
       device_guard g(a);
       cudaError_t const e = cudaDeviceEnablePeerAccess(b, 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) t = transport::copy;
+      cudaMemAccessDesc d{};
+      d.location.type = cudaMemLocationTypeDevice;
+      d.location.id = a;
+      d.flags = cudaMemAccessFlagsProtReadWrite;
       cudaMemPool_t pool = nullptr;
-      if (cudaDeviceGetDefaultMemPool(&pool, b) == cudaSuccess) {
-        cudaMemAccessDesc d{};
-        d.location.type = cudaMemLocationTypeDevice;
-        d.location.id = a;
-        d.flags = cudaMemAccessFlagsProtReadWrite;
-        (void)cudaMemPoolSetAccess(pool, &d, 1);
-      }
+      if (cudaDeviceGetDefaultMemPool(&pool, b) == cudaSuccess) (void)cudaMemPoolSetAccess(pool, &d, 1);
+      if (cudaMemPool_t own = own_pool(b)) (void)cudaMemPoolSetAccess(own, &d, 1);
     }
   }
   (void)cudaGetLastError();

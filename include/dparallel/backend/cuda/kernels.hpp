@@ -106,6 +106,11 @@ struct add_scaled_op {
   }
 };
 
+template <class To, class From>
+struct convert_op {
+  __device__ To operator()(From x) const { return store<To>(load<float>(x)); }
+};
+
 /// The most sources weighted_sum takes in one pass (the kernel's parameter block holds them).
 inline constexpr std::size_t max_sources = 32;
 
@@ -336,6 +341,40 @@ inline void add_scaled(cudaStream_t s, device at, tensor_ref dst, tensor_ref src
       },
       "cuda::add_scaled");
   check(cudaGetLastError(), "cuda::add_scaled", at);
+}
+
+/// dst = src converted between F32 and F32, F16 or BF16 (rounded to nearest even), on stream `s`;
+/// both views in the memory of `at`'s GPU. nccl::dp's F32 buckets for 16-bit gradients use it.
+inline void convert(cudaStream_t s, device at, tensor_ref dst, tensor_ref src) {
+  dparallel::detail::require(dst.size() == src.size() && (dst.dtype() == dtype::f32 || src.dtype() == dtype::f32) &&
+                                 dst.dtype() != dtype::f64 && src.dtype() != dtype::f64,
+                             [&] {
+                               return "cuda::convert: expected views of one size, one of them F32 and the other F32, "
+                                      "F16 or BF16, found " +
+                                      std::to_string(dst.size()) + " x " + std::string(name_of(dst.dtype())) + " and " +
+                                      std::to_string(src.size()) + " x " + std::string(name_of(src.dtype()));
+                             });
+  if (dst.dtype() == src.dtype()) {
+    copy(s, at, dst, src);
+    return;
+  }
+  if (dst.size() == 0) return;
+  bool const widen = dst.dtype() == dtype::f32;
+  detail::dispatch_float(
+      widen ? src.dtype() : dst.dtype(),
+      [&](auto zero_value) {
+        using T = decltype(zero_value);
+        auto const policy = thrust::cuda::par_nosync.on(s);
+        if (widen) {
+          T const* x = static_cast<T const*>(src.data());
+          thrust::transform(policy, x, x + src.size(), static_cast<float*>(dst.data()), detail::convert_op<float, T>{});
+        } else {
+          float const* x = static_cast<float const*>(src.data());
+          thrust::transform(policy, x, x + src.size(), static_cast<T*>(dst.data()), detail::convert_op<T, float>{});
+        }
+      },
+      "cuda::convert");
+  check(cudaGetLastError(), "cuda::convert", at);
 }
 
 /// For each j: dst[j] = sum_k weights[k] * srcs[j * m + k] (m = weights.size()), summed pairwise

@@ -12,32 +12,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <type_traits>
 #include <utility>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace cuda {
-
-/// Makes the default memory pool of GPU `ordinal` keep what it frees (release threshold: no limit),
-/// once per process. With the default threshold of 0 a pool returns its memory to the OS at every
-/// synchronisation, so every later cudaMallocAsync pays for a fresh mapping (CUDA Programming
-/// Guide, "Stream Ordered Memory Allocator", physical page caching behavior).
-inline void keep_pool_memory(int ordinal) {
-  static std::mutex m;
-  static std::set<int> done;
-  std::lock_guard lock(m);
-  if (!done.insert(ordinal).second) return;
-  cudaMemPool_t pool = nullptr;
-  if (cudaDeviceGetDefaultMemPool(&pool, ordinal) != cudaSuccess) {
-    (void)cudaGetLastError();  // no pool support: cudaMallocAsync reports it where it is used
-    return;
-  }
-  std::uint64_t keep = UINT64_MAX;
-  (void)cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
-  (void)cudaGetLastError();
-}
 
 /// Tag for device_buffer's constructor that leaves the memory uninitialised (the next write
 /// covers all of it, so a memset would be wasted work).
@@ -48,7 +27,8 @@ struct uninitialized_t {
 inline constexpr uninitialized_t uninitialized{};
 
 /// `size()` elements of T in the memory of one GPU, allocated and freed in the order of a stream
-/// (cudaMallocAsync / cudaFreeAsync), zero-initialised unless made with `uninitialized`.
+/// (cudaMallocFromPoolAsync from dparallel's own pool, own_pool, / cudaFreeAsync),
+/// zero-initialised unless made with `uninitialized`.
 /// Move-only.
 template <class T>
 class device_buffer {
@@ -68,9 +48,11 @@ class device_buffer {
   device_buffer(std::size_t size, device d, cudaStream_t s, uninitialized_t) : size_(size), dev_(d), stream_(s) {
     if (size_ == 0) return;
     device_guard g(d.index);
-    keep_pool_memory(d.index);
     void* p = nullptr;
-    check(cudaMallocAsync(&p, size_ * sizeof(T), s), "cudaMallocAsync", d);
+    if (cudaMemPool_t const pool = own_pool(d.index))
+      check(cudaMallocFromPoolAsync(&p, size_ * sizeof(T), pool, s), "cudaMallocFromPoolAsync", d);
+    else
+      check(cudaMallocAsync(&p, size_ * sizeof(T), s), "cudaMallocAsync", d);
     data_ = static_cast<T*>(p);
   }
   /// Takes over `o`'s memory; `o` becomes empty.

@@ -155,7 +155,7 @@ class stream {
         timing_(std::make_shared<detail::event_pool>(d, 0u)) {
     check_device(d);
     device_guard g(d.index);
-    keep_pool_memory(d.index);
+    (void)own_pool(d.index);  // made before any step (its first use takes a lock)
     check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", d);
     for (auto& b : staging_) b = staging_buffer(d, s_);
     worker_ = std::make_unique<host::stream>(d.index);

@@ -7,6 +7,7 @@
 #include <dparallel/backend/host/stream.hpp>
 #include <dparallel/core/buffer.hpp>
 #include <dparallel/core/device.hpp>
+#include <dparallel/core/dp_plan.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -38,6 +39,9 @@ struct backend {
   using event_type = host::event;
   /// The kind of device this backend runs on.
   static constexpr device_kind kind = device_kind::host;
+  /// DataParallel's copies and sums are shared out in stripes (core/dp_plan.hpp): threads read
+  /// what another core just wrote fastest from the shared cache.
+  static constexpr dp_sharing dp_share = dp_sharing::stripes;
 
   /// One logical device per hardware thread (at least one): the default device list.
   static std::vector<device> all_devices() {
