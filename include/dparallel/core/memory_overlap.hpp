@@ -24,7 +24,8 @@ struct tensor_place {
   std::size_t index = 0;
 };
 
-/// Two tensors that share memory; `first` starts at the lower address.
+/// Two tensors that share memory; `first` starts at the lower address (at the same address: the
+/// lower group, then the lower index).
 struct memory_overlap {
   tensor_place first, second;
 };
@@ -37,7 +38,10 @@ std::optional<memory_overlap> find_memory_overlap(std::vector<tensor_place> plac
   auto const begin = [](tensor_place const& p) { return reinterpret_cast<std::uintptr_t>(p.tensor.data()); };
   auto const end = [&](tensor_place const& p) { return begin(p) + p.tensor.size_bytes(); };
   std::erase_if(places, [](tensor_place const& p) { return p.tensor.size() == 0; });
-  std::sort(places.begin(), places.end(), [&](tensor_place const& a, tensor_place const& b) { return begin(a) < begin(b); });
+  std::sort(places.begin(), places.end(), [&](tensor_place const& a, tensor_place const& b) {
+    if (begin(a) != begin(b)) return begin(a) < begin(b);
+    return a.group != b.group ? a.group < b.group : a.index < b.index;  // the same pair whatever the input order
+  });
   // For each group, the tensor seen so far that reaches furthest: a tensor overlaps an earlier one
   // of a group exactly when it overlaps that group's furthest-reaching one.
   std::vector<std::optional<std::size_t>> reach(static_cast<std::size_t>(groups));

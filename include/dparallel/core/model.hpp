@@ -315,8 +315,10 @@ inline void verify_gradient_memory(std::vector<tensor_ref> const& p, std::vector
   for (std::size_t i = 0; i < g.size(); ++i) places.push_back({g[i], 1, i});
   auto const hit = find_memory_overlap(std::move(places), 2, [](int a, int b) { return a == 1 || b == 1; });
   if (!hit) return;
-  auto const& grad = hit->first.group == 1 ? hit->first : hit->second;
-  auto const& other = hit->first.group == 1 ? hit->second : hit->first;
+  // The gradient named first: the one over a parameter, or the later of two gradients.
+  bool const second_first = hit->second.group == 1 && (hit->first.group == 0 || hit->second.index > hit->first.index);
+  auto const& grad = second_first ? hit->second : hit->first;
+  auto const& other = second_first ? hit->first : hit->second;
   throw invalid_argument("dparallel: " + where + ": gradient " + std::to_string(grad.index) + " shares memory with " +
                          (other.group == 0 ? "parameter " : "gradient ") + std::to_string(other.index) +
                          "; every gradient needs memory of its own, apart from the parameters and the other "
