@@ -122,7 +122,9 @@ struct copy_probe : F {
 template <class F, class M, class S>
 constexpr bool takes_model_by_value() {
   using P = typename model_parameter<F>::type;
-  if constexpr (!std::is_void_v<P>) {
+  if constexpr (!step_with_context<F, M, S> && !step_without_context<F, M, S>) {
+    return false;  // not callable at all: check_step_function says so
+  } else if constexpr (!std::is_void_v<P>) {
     return std::is_same_v<std::remove_cvref_t<P>, M> && !std::is_same_v<P, M&>;
   } else if constexpr (!probable_step_function<F>) {
     return false;
@@ -150,7 +152,7 @@ constexpr bool check_step_function() {
   static_assert(callable || lvalue_shard,
                 "dparallel: the step function must be callable as f(Model&, Shard, dparallel::step_context&) or "
                 "f(Model&, Shard), Shard being the batch's slice type");
-  constexpr bool by_value = callable && takes_model_by_value<F, M, S>();
+  constexpr bool by_value = takes_model_by_value<F, M, S>();
   static_assert(!by_value,
                 "dparallel: the step function takes the model by value (or by const&): it would train a copy and "
                 "its gradient would be lost; take the model by reference: `[](Model& m, Shard shard) { ... }` or "
