@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -149,4 +150,66 @@ TEST_CASE("nested messages carry each prefix once", "[host][diagnostics]") {
     CHECK(count_of(what, "rank 1") == 1);
     CHECK_THAT(what, Catch::Contains("on device 1: bad shard"));
   }
+}
+
+// The forms that take the model by non-const reference train the master (checked against one
+// device); every form by value or by const& is rejected at compile time with the same message
+// (tests/packaging/compile_fail/step_model_by_*), which takes_model_by_value() decides.
+namespace {
+using shard_t = test::samples<float>;
+template <class F>
+constexpr bool rejected = dpl::detail::takes_model_by_value<std::remove_cvref_t<F>, model, shard_t>();
+template <class F>
+constexpr bool accepted = !rejected<F> && dpl::detail::check_step_function<std::remove_cvref_t<F>, model, shard_t>();
+
+auto const by_ref = [](model& m, shard_t s) { return m.forward_backward(s); };
+auto const by_ref_generic_shard = [](model& m, auto s) { return m.forward_backward(s); };
+auto const by_auto_ref = [](auto& m, auto s) { return m.forward_backward(s); };
+auto const by_forwarding = [](auto&& m, auto s) { return m.forward_backward(s); };
+auto const by_auto_ref_ctx = [](auto& m, auto s, auto& ctx) { return m.forward_backward(s) + 0 * static_cast<float>(ctx.replica()); };
+auto const by_forwarding_ctx = [](auto&& m, auto const& s, dpl::step_context&) { return m.forward_backward(s); };
+auto const by_ref_ctx = [](model& m, auto s, dpl::step_context const&) { return m.forward_backward(s); };
+auto const by_auto_ref_mutable = [](auto& m, auto s) mutable { return m.forward_backward(s); };
+}  // namespace
+
+static_assert(accepted<decltype(by_ref)> && accepted<decltype(by_ref_generic_shard)> &&
+              accepted<decltype(by_auto_ref)> && accepted<decltype(by_forwarding)> &&
+              accepted<decltype(by_auto_ref_ctx)> && accepted<decltype(by_forwarding_ctx)> &&
+              accepted<decltype(by_ref_ctx)> && accepted<decltype(by_auto_ref_mutable)>);
+static_assert(rejected<decltype([](model m, shard_t s) { return m.forward_backward(s); })>);
+static_assert(rejected<decltype([](model const& m, shard_t) { return m.b[0]; })>);
+static_assert(rejected<decltype([](model m, auto s) { return m.forward_backward(s); })>);
+static_assert(rejected<decltype([](model m, auto s, dpl::step_context&) { return m.forward_backward(s); })>);
+static_assert(rejected<decltype([](model const& m, auto) { return m.b[0]; })>);
+static_assert(rejected<decltype([](auto m, auto s) { return m.forward_backward(s); })>);
+static_assert(rejected<decltype([](auto const m, auto) { return m.b[0]; })>);
+static_assert(rejected<decltype([](auto const& m, auto) { return m.b[0]; })>);
+static_assert(rejected<decltype([](auto m, auto s, auto& ctx) { return m.forward_backward(s) + 0 * static_cast<float>(ctx.replica()); })>);
+static_assert(rejected<decltype([](auto const& m, auto, dpl::step_context&) { return m.b[0]; })>);
+static_assert(rejected<decltype([](auto m, auto s) mutable { return m.forward_backward(s); })>);
+static_assert(rejected<float (*)(model, shard_t)>);
+static_assert(rejected<float(model const&, shard_t)>);
+static_assert(!rejected<float (*)(model&, shard_t)>);
+
+TEST_CASE("every step function that takes the model by reference trains the master as one device does",
+          "[host][api]") {
+  auto const data = test::dataset<float>::make(8, 4, 31, true);  // shards of 4: exact means
+  model ref;
+  (void)ref.forward_backward(data.all());
+  auto const check = [&](auto const& fn) {
+    model m;
+    dpl::data_parallel<model> dp(m, dpl::host::devices(2));
+    auto fn_copy = fn;
+    (void)dp.step(data.all(), fn_copy);
+    CHECK(m.gw == ref.gw);
+    CHECK(m.gb == ref.gb);
+  };
+  check(by_ref);
+  check(by_ref_generic_shard);
+  check(by_auto_ref);
+  check(by_forwarding);
+  check(by_auto_ref_ctx);
+  check(by_forwarding_ctx);
+  check(by_ref_ctx);
+  check(by_auto_ref_mutable);
 }

@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -265,6 +267,50 @@ TEST_CASE("ranks with different parameters fail construction on every rank, nami
     }
   }));
   for (auto const& s : seen) CHECK_THAT(s, Catch::Contains("rank 2's parameter 3 has 7 elements"));
+}
+
+namespace {
+/// Two parameters whose gradients alias: gradient 0 over parameter 0's memory (`over_param`), or
+/// both gradients over one buffer; `own` gives each its own memory.
+struct aliased_grads {
+  enum class kind { own, over_param, one_buffer } k = kind::own;
+  std::vector<float> w1{1, 2}, w2{3, 4}, g1{0, 0}, g2{0, 0};
+  auto parameters() { return std::array{dpl::view(w1), dpl::view(w2)}; }
+  auto gradients() {
+    return std::array{dpl::view(k == kind::over_param ? w1 : g1), dpl::view(k == kind::one_buffer ? g1 : g2)};
+  }
+};
+}  // namespace
+
+TEST_CASE("DDP refuses gradients that share memory with a parameter or with each other, on every rank",
+          "[host][ddp][error]") {
+  using kind = aliased_grads::kind;
+  for (auto const& [k, expected] : {std::pair{kind::over_param, "gradient 0 shares memory with parameter 0"},
+                                   std::pair{kind::one_buffer, "gradient 1 shares memory with gradient 0"}}) {
+    for (bool as_view : {false, true}) {
+      std::vector<std::string> seen(2);
+      std::mutex mu;
+      CHECK_THROWS(dpl::spawn(2, [&, k = k](dpl::rank_context& rank) {
+        aliased_grads m;
+        m.k = k;
+        try {
+          dpl::distributed_data_parallel<aliased_grads> ddp(m, rank, {.gradient_as_bucket_view = as_view});
+        } catch (std::exception const& e) {
+          std::lock_guard lock(mu);
+          seen[static_cast<std::size_t>(rank.rank())] = e.what();
+          throw;
+        }
+      }));
+      for (int r = 0; r < 2; ++r)
+        CHECK_THAT(seen[static_cast<std::size_t>(r)],
+                   Catch::Contains("DDP on rank " + std::to_string(r) + ": the model: " + expected) &&
+                       Catch::Contains("every gradient needs memory of its own"));
+    }
+  }
+  dpl::spawn(2, [&](dpl::rank_context& rank) {  // each gradient in memory of its own: fine
+    aliased_grads m;
+    dpl::distributed_data_parallel<aliased_grads> ddp(m, rank);
+  });
 }
 
 TEST_CASE("buckets are rebuilt once, in the order gradients became ready", "[host][ddp]") {

@@ -6,11 +6,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <span>
 #include <thread>
+#include <vector>
 
 namespace dp = dparallel;
 using host = dp::host::backend;
@@ -194,5 +198,85 @@ TEST_CASE("policies compose: DP with all-reduce lets every replica run its own o
     }
     b.sgd(T(0.1));
     for (std::size_t i = 0; i < 3; ++i) CHECK(test::same_bits(every.replica(i), b));
+  }
+}
+
+namespace {
+/// Gradients reached through a pointer member. A copy (DataParallel's replica) keeps pointing at
+/// the master's gradient unless its copy constructor points it at its own (OwnCopy).
+template <bool OwnCopy>
+struct pointer_grads {
+  std::vector<float> w{1, 2}, g{0, 0};
+  float* gp = g.data();
+  pointer_grads() = default;
+  pointer_grads(pointer_grads const& o) : w(o.w), g(o.g), gp(OwnCopy ? g.data() : o.gp) {}
+  pointer_grads& operator=(pointer_grads const&) = delete;
+  ~pointer_grads() = default;
+  auto parameters() { return std::array{dp::view(w)}; }
+  auto gradients() { return std::array{dp::tensor_view<float>(gp, g.size())}; }
+};
+/// Gradient 1 is a view of parameter 1's memory.
+struct grad_over_param {
+  std::vector<float> w{1, 2}, b{3}, gw{0, 0};
+  auto parameters() { return std::array{dp::view(w), dp::view(b)}; }
+  auto gradients() { return std::array{dp::view(gw), dp::view(b)}; }
+};
+}  // namespace
+
+TEST_CASE("DP refuses replicas whose gradients alias the master's, and gradients over parameters",
+          "[host][dp][error]") {
+  std::vector<float> const batch{1, 2, 3, 4};
+  auto const fn = [](auto& m, std::span<float const> s) {  // the gradient of the mean of w . x over the shard
+    for (std::size_t j = 0; j < 2; ++j) m.gp[j] = (s[0] + s[s.size() - 1]) / 2 * static_cast<float>(j + 1);
+  };
+  pointer_grads<true> own;  // the same model with a copy of its own trains as one device does
+  dp::data_parallel<pointer_grads<true>> good(own, dp::host::devices(2));
+  good.step(batch, fn);
+  pointer_grads<true> one;
+  fn(one, std::span<float const>(batch));
+  CHECK(own.g == std::vector<float>{2.5F, 5.0F});
+  CHECK(own.g == one.g);
+
+  pointer_grads<false> shared;
+  CHECK_THROWS_WITH(dp::data_parallel<pointer_grads<false>>(shared, dp::host::devices(3)),
+                    Catch::Contains("the replica for host:1: gradient 0 shares storage with the master's gradient 0") &&
+                        Catch::Contains("make_replica"));
+  grad_over_param over;
+  CHECK_THROWS_WITH(dp::data_parallel<grad_over_param>(over, dp::host::devices(2)),
+                    Catch::Contains("the model: gradient 1 shares memory with parameter 1; every gradient needs "
+                                    "memory of its own"));
+}
+
+TEST_CASE("a step function that adds into the gradients, with module() zeroed by the user, trains as one device",
+          "[host][dp][contract]") {
+  // PyTorch's habit: zero the module's gradients, then let backward add into them. DataParallel
+  // zeroes its replicas' gradients before each step function, so nothing piles up across steps.
+  using T = double;
+  using M = test::linreg<T>;
+  auto const add_gradient = [](M& m, test::samples<T> s) {
+    M fresh = m;
+    T const loss = fresh.forward_backward(s);
+    for (std::size_t j = 0; j < m.gw.size(); ++j) m.gw[j] += fresh.gw[j];
+    m.gb[0] += fresh.gb[0];
+    return loss;
+  };
+  auto const zero_grad = [](M& m) {
+    std::fill(m.gw.begin(), m.gw.end(), T(0));
+    m.gb[0] = 0;
+  };
+  for (int n : {2, 3}) {
+    M one(6, 5), m(6, 5);
+    dp::data_parallel<M> wrapped(m, dp::host::devices(n));
+    for (int step = 0; step < 5; ++step) {
+      auto const data = test::dataset<T>::make(12, 6, 60 + static_cast<std::uint64_t>(step), false);
+      zero_grad(one);
+      add_gradient(one, data.all());
+      one.sgd(T(0.1));
+      zero_grad(wrapped.module());
+      wrapped.step(data.all(), add_gradient);
+      CHECK(test::rel_error(test::flat(m, true), test::flat(one, true)) < 1e-12);
+      wrapped.module().sgd(T(0.1));
+      CHECK(test::rel_error(test::flat(m, false), test::flat(one, false)) < 1e-12);
+    }
   }
 }

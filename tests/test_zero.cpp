@@ -284,6 +284,36 @@ TEST_CASE("ZeRO-1: an update without a synchronised step is refused, naming the 
   for (auto const& s : twice) CHECK_THAT(s, Catch::Contains("call the wrapper's step() outside no_sync() first"));
 }
 
+TEST_CASE("ZeRO-1: a step after an update written by hand (shards not used by the optimizer) fails on every rank",
+          "[host][zero][error]") {
+  // The "one using" move from DDP with the update kept by hand: module()'s gradients are each
+  // rank's own after a ZeRO-1 step, so such an update would make the ranks diverge.
+  auto const steps = [](dpl::rank_context& rank, bool optimizer) {
+    model m(test::zero_sizes());
+    auto const d = test::dataset<float>::make(16, m.dim, 3, false);
+    dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
+    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    for (int step = 0; step < 3; ++step) {
+      w.step(half_of_rank(d, rank.rank(), static_cast<std::size_t>(step % 2)), plain_step);
+      if (optimizer) {
+        opt.step(0.01);
+      } else {
+        for (std::size_t i = 0; i < m.w.size(); ++i)
+          for (std::size_t j = 0; j < m.w[i].size(); ++j) m.w[i][j] -= 0.01F * m.g[i][j];
+      }
+    }
+  };
+  auto const by_hand = errors_of(2, [&](dpl::rank_context& rank) { steps(rank, false); });
+  for (int r = 0; r < 2; ++r)
+    CHECK_THAT(by_hand[static_cast<std::size_t>(r)],
+               Catch::Contains("ZeRO-1 (ddp_zero1) on rank " + std::to_string(r) +
+                               ": the previous synchronised step's gradient shards were not used by a "
+                               "zero_redundancy_optimizer") &&
+                   Catch::Contains("call opt.step(lr) of a dparallel::zero_redundancy_optimizer"));
+  auto const with_optimizer = errors_of(2, [&](dpl::rank_context& rank) { steps(rank, true); });
+  CHECK(with_optimizer == std::vector<std::string>(2));
+}
+
 TEST_CASE("ZeRO-1 refuses gradient_as_bucket_view and parameters that are not f32", "[host][zero][error]") {
   auto const view = errors_of(2, [](dpl::rank_context& rank) {
     model m(test::zero_sizes());

@@ -384,6 +384,12 @@ class parallel {
         if constexpr (!is_distributed_v<Semantics>)  // DataParallel: the shard moves to its device
           shard = detail::place_shard<Backend>(*self.rs_.streams[i], std::move(shard));
         Model& m = *self.rs_.models[i];
+        // DataParallel: a replica's gradients start each step at zero (PyTorch's DataParallel makes
+        // fresh replicas every step), so a step function that adds into them, after the user zeroed
+        // module()'s, adds only this step's gradient.
+        if constexpr (!is_distributed_v<Semantics> && requires(tensor_ref t) { Backend::immediate::zero(t); })
+          if (i != 0)
+            for (tensor_ref const& g : self.rs_.grads[i]) Backend::immediate::zero(g);
         self.started_[i] = profile_clock::now();
         detail::shard_scope<Model> bound(m, self.ctx_[i]);  // model_traits<Model>::begin_shard / end_shard
         if constexpr (returns_value) {

@@ -19,6 +19,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/memory_overlap.hpp>
 #include <dparallel/core/step_context.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -303,7 +304,31 @@ class shard_scope {
 };
 }  // namespace detail
 
-/// Throws invalid_argument unless every gradient matches its parameter in size and dtype.
+namespace detail {
+/// Throws invalid_argument when a gradient shares memory with a parameter or with another
+/// gradient (`where` names the model).
+inline void verify_gradient_memory(std::vector<tensor_ref> const& p, std::vector<tensor_ref> const& g,
+                                   std::string const& where) {
+  std::vector<tensor_place> places;
+  places.reserve(p.size() + g.size());
+  for (std::size_t i = 0; i < p.size(); ++i) places.push_back({p[i], 0, i});
+  for (std::size_t i = 0; i < g.size(); ++i) places.push_back({g[i], 1, i});
+  auto const hit = find_memory_overlap(std::move(places), 2, [](int a, int b) { return a == 1 || b == 1; });
+  if (!hit) return;
+  // The gradient named first: the one over a parameter, or the later of two gradients.
+  bool const second_first = hit->second.group == 1 && (hit->first.group == 0 || hit->second.index > hit->first.index);
+  auto const& grad = second_first ? hit->second : hit->first;
+  auto const& other = second_first ? hit->first : hit->second;
+  throw invalid_argument("dparallel: " + where + ": gradient " + std::to_string(grad.index) + " shares memory with " +
+                         (other.group == 0 ? "parameter " : "gradient ") + std::to_string(other.index) +
+                         "; every gradient needs memory of its own, apart from the parameters and the other "
+                         "gradients (the reduction would sum into the wrong place): make gradients() return views "
+                         "of distinct storage");
+}
+}  // namespace detail
+
+/// Throws invalid_argument unless every gradient matches its parameter in size and dtype and has
+/// memory of its own (no gradient over a parameter or over another gradient).
 template <model M>
 void verify_model(M& m, std::string const& where) {
   auto const p = parameter_refs(m);
@@ -318,6 +343,7 @@ void verify_model(M& m, std::string const& where) {
                         ", found " + std::to_string(g[i].size()) + " elements of " +
                         std::string(name_of(g[i].dtype())));
   }
+  detail::verify_gradient_memory(p, g, where);
 }
 
 DPARALLEL_NAMESPACE_END

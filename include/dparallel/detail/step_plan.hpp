@@ -5,6 +5,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/memory_overlap.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/detail/replica_set.hpp>
@@ -86,10 +87,27 @@ void check_replica(RS const& rs, std::size_t i) {
   for (std::size_t k = 0; k < mp.size(); ++k) {
     require(mp[k].size() == rp[k].size() && mp[k].dtype() == rp[k].dtype(),
             where + ": parameter " + std::to_string(k) + " differs from the master's in size or dtype");
-    require(!overlaps(mp[k], rp[k]), where + ": parameter " + std::to_string(k) +
-                                         " shares storage with the master's; a replica needs its own storage (give "
-                                         "the model make_replica if copying it aliases)");
   }
+  // Groups: the master's parameters (0) and gradients (1), the replica's (2, 3); only a tensor of
+  // the replica over one of the master's clashes (verify_model checked each model alone).
+  std::vector<tensor_place> places;
+  auto const add = [&](std::vector<tensor_ref> const& ts, int group) {
+    for (std::size_t k = 0; k < ts.size(); ++k) places.push_back({ts[k], group, k});
+  };
+  add(mp, 0);
+  add(gradient_refs(*rs.master), 1);
+  add(rp, 2);
+  add(gradient_refs(r), 3);
+  auto const hit = find_memory_overlap(std::move(places), 4, [](int a, int b) { return (a < 2) != (b < 2); });
+  if (!hit) return;
+  auto const& mine = hit->first.group >= 2 ? hit->first : hit->second;
+  auto const& master = hit->first.group >= 2 ? hit->second : hit->first;
+  auto const kind = [](tensor_place const& t) { return t.group % 2 == 0 ? "parameter " : "gradient "; };
+  throw invalid_argument("dparallel: " + where + ": " + kind(mine) + std::to_string(mine.index) +
+                         " shares storage with the master's " + kind(master) + std::to_string(master.index) +
+                         "; a replica needs its own storage, gradients included (a copy whose parameters() or "
+                         "gradients() go through pointers into the master's members aliases it): give the model a "
+                         "copy constructor or make_replica that points them at the copy's own members");
 }
 
 }  // namespace detail

@@ -80,9 +80,19 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
     base::on_construct(s);
   }
 
-  /// Prepares this step's buckets (none under no_sync).
+  /// Prepares this step's buckets (none under no_sync). Throws invalid_argument when the gradient
+  /// shards of the last synchronised step were not used by a zero_redundancy_optimizer: an update
+  /// of module() written by hand reads gradients that are not the average, and the ranks diverge.
   template <class Set>
   void begin_step(Set& s) {
+    if (reductions_ != consumed_)
+      throw invalid_argument(
+          "dparallel: ZeRO-1 (ddp_zero1) on rank " + std::to_string(s.rank()) +
+          ": the previous synchronised step's gradient shards were not used by a zero_redundancy_optimizer; after a "
+          "ZeRO-1 step each rank holds only its shard of the averaged gradient (module()'s gradients are its own, "
+          "not averaged), so an update written by hand makes the ranks diverge: call opt.step(lr) of a "
+          "dparallel::zero_redundancy_optimizer over this wrapper after every synchronised step, or use "
+          "parallel<Model, dparallel::ddp> for a hand-written update");
     scatter_now_ = this->rebuilt_;
     base::begin_step(s);
   }
@@ -113,6 +123,9 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   }
   /// Synchronised steps reduced so far (the gradient shards are fresh when it grew).
   [[nodiscard]] std::uint64_t reductions() const noexcept { return reductions_; }
+  /// zero_redundancy_optimizer::step() tells it that it used the gradient shards of the last
+  /// synchronised step; the next step() refuses to run until then.
+  void shards_consumed() noexcept { consumed_ = reductions_; }
   /// Bumped by every bucket plan (at construction, and once by the rebuild after the first step).
   [[nodiscard]] std::uint64_t plan_generation() const noexcept { return plans_; }
   /// Called with (bucket, unused) before a synchronised step writes a gradient into the bucket's
@@ -205,6 +218,7 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   int world_ = 1;
   bool scatter_now_ = false;  // this step reduce-scatters (the plan was rebuilt before it)
   std::uint64_t reductions_ = 0;
+  std::uint64_t consumed_ = 0;  // reductions_ when zero_redundancy_optimizer last used the shards
   std::uint64_t plans_ = 0;
   std::function<void(std::size_t, bool)> guard_;  // set_stage_guard
 };

@@ -193,6 +193,7 @@ class zero_redundancy_optimizer {
     auto const c = rule_.constants(steps_ + 1, lr);  // may refuse lr: nothing changed yet
     wait_gathers();  // none after a synchronised step (its guard completed them); to be sure
     seen_reductions_ = r.reductions();
+    r.shards_consumed();
     if (!allocated_) allocate_state(r);
     ++steps_;
     params_.clear();

@@ -1,0 +1,13 @@
+// Must NOT compile: the model taken by value, with a generic shard and the step context.
+// Expected: dparallel::detail::check_step_function()'s message saying to take Model&.
+#include "valid_model.hpp"
+
+#include <vector>
+
+int main() {
+  compile_fail::scalar_model model;
+  dparallel::data_parallel<compile_fail::scalar_model> dp(model, dparallel::host::devices(2));
+  std::vector<float> batch{1.0F, 2.0F};
+  dp.step(batch, [](compile_fail::scalar_model m, auto shard, dparallel::step_context&) { m.gw[0] = shard[0]; });
+  return 0;
+}
