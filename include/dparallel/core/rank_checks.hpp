@@ -127,7 +127,7 @@ class parameter_registry {
     }
     auto it = entries_.insert(entries_.end(), entry{std::move(params), rank});
     return handle(nullptr, [this, it](void*) {
-      std::lock_guard lock(m_);
+      std::lock_guard held(m_);
       entries_.erase(it);
     });
   }

@@ -1,0 +1,221 @@
+// The contract-checking mode (options::check_contracts, DPARALLEL_CHECK_CONTRACTS): each mistake
+// it exists for is made, and its message checked; a correct step gives the same bits with the
+// mode on as with it off.
+#include "models.hpp"
+#include "rank_threads.hpp"
+
+#include <dparallel/comm/host.hpp>
+#include <dparallel/dparallel.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace dpl = dparallel;
+
+namespace {
+
+/// A model that names its parameters. Its gradients are reached through a pointer member, so a
+/// test can make a replica's gradient point at another's memory.
+struct named {
+  std::vector<float> w = std::vector<float>(6, 1.0f), b = std::vector<float>(10, 0.5f);
+  std::vector<float> gw = std::vector<float>(6), gb = std::vector<float>(10);
+  float* gb_at = nullptr;  // where gradients() says gb lies (null: gb itself)
+  named() = default;
+  named(named const& o) : w(o.w), b(o.b), gw(o.gw), gb(o.gb) {}  // a replica owns its storage
+  named& operator=(named const&) = delete;
+  static auto parameter_names() { return std::array{"fc2.weight", "fc2.bias"}; }
+  auto parameters() { return std::array{dpl::view(w), dpl::view(b)}; }
+  auto gradients() {
+    return std::array{dpl::view(gw), dpl::tensor_view<float>(gb_at != nullptr ? gb_at : gb.data(), gb.size())};
+  }
+  /// The gradient of a made-up loss over the shard; bias elements [0, bias_end) only.
+  void backward(test::samples<float> const& s, std::size_t bias_end = 10) {
+    auto g = gradients();
+    float sum = 0;
+    for (std::size_t i = 0; i < s.x.size(); ++i) sum += s.x[i];
+    float const mean = sum / static_cast<float>(s.x.rows());
+    for (std::size_t k = 0; k < gw.size(); ++k) g[0][k] = mean * static_cast<float>(k + 1) * w[k];
+    for (std::size_t k = 0; k < bias_end; ++k) g[1][k] = mean - b[k] + static_cast<float>(k);
+  }
+};
+
+dpl::options checked() { return {.check_contracts = true}; }
+
+test::dataset<float> data(std::size_t n = 8) { return test::dataset<float>::make(n, 1, 7, true); }
+
+std::string message_of(std::exception_ptr const& e) {
+  try {
+    if (e) std::rethrow_exception(e);
+  } catch (std::exception const& ex) {
+    return ex.what();
+  }
+  return "";
+}
+
+// Catch's Contains over a list: every part must be in `what`.
+bool contains_all(std::string const& what, std::vector<std::string> const& parts) {
+  for (auto const& p : parts)
+    if (what.find(p) == std::string::npos) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("contract check: a step that trains a copy of the model (as a by-value model does) is named",
+          "[host][contract_check]") {
+  named m;
+  dpl::data_parallel<named> dp(m, dpl::host::devices(2), checked());
+  auto const d = data();
+  // The mistake a by-value model parameter makes, spelt so that no compile-time check sees it.
+  auto copy_trains = [](named& r, test::samples<float> s) {
+    named copy(r);
+    copy.backward(s);
+  };
+  CHECK_THROWS_WITH(dp.step(d.all(), copy_trains),
+                    Catch::Contains("the step function did not write gradient `fc2.weight` elements 0..5 (6 of 6") &&
+                        Catch::Contains("on device host:") && Catch::Contains("Model&"));
+  // The wrapper stays usable: a correct step runs.
+  CHECK_NOTHROW(dp.step(d.all(), [](named& r, test::samples<float> s) { r.backward(s); }));
+}
+
+TEST_CASE("contract check: a partial write names the gradient, the elements and the device", "[host][contract_check]") {
+  named m;
+  dpl::data_parallel<named> dp(m, dpl::host::devices(2), checked());
+  auto const d = data();
+  auto partial_on_1 = [](named& r, test::samples<float> s, dpl::step_context& ctx) {
+    r.backward(s, ctx.replica() == 1 ? 5 : 10);
+  };
+  CHECK_THROWS_WITH(dp.step(d.all(), partial_on_1),
+                    Catch::Contains("did not write gradient `fc2.bias` elements 5..9 (5 of 10") &&
+                        Catch::Contains("on device host:1"));
+  // Gaps: several ranges, on every device (the first device's error is the step's).
+  auto holes = [](named& r, test::samples<float> s) {
+    r.backward(s, 0);
+    auto g = r.gradients();
+    for (std::size_t k : {0u, 2u, 3u, 6u, 7u, 8u}) g[1][k] = 1.0f;  // not 1, 4..5, 9
+  };
+  CHECK_THROWS_WITH(dp.step(d.all(), holes),
+                    Catch::Contains("did not write gradient `fc2.bias` elements 1, 4..5, 9 (4 of 10"));
+  // A step function that adds into the gradient keeps the pattern too.
+  auto adds = [](named& r, test::samples<float> s) {
+    r.backward(s, 0);
+    for (auto& v : r.gb) v += 1.0f;
+  };
+  CHECK_THROWS_WITH(dp.step(d.all(), adds), Catch::Contains("did not write gradient `fc2.bias` elements 0..9"));
+}
+
+TEST_CASE("contract check: DataParallel replicas sharing gradient memory are caught before the step function",
+          "[host][contract_check]") {
+  named m;
+  dpl::data_parallel<named> dp(m, dpl::host::devices(2), checked());
+  auto const d = data();
+  auto const good = [](named& r, test::samples<float> s) { r.backward(s); };
+  dp.step(d.all(), good);
+  dp.replica(1).gb_at = m.gb.data();  // the replica's bias gradient is now the master's
+  CHECK_THROWS_WITH(dp.step(d.all(), good), Catch::Contains("DataParallel on host:0: gradient `fc2.bias` shares "
+                                                            "memory with the gradients of another replica"));
+  dp.replica(1).gb_at = nullptr;
+  CHECK_NOTHROW(dp.step(d.all(), good));
+}
+
+TEST_CASE("contract check: a correct step gives the bits of the mode off, DP and DDP, no_sync and unused parameters",
+          "[host][contract_check]") {
+  auto const d = data(12);
+  auto const run_dp = [&](bool on) {
+    named m;
+    dpl::data_parallel<named> dp(m, dpl::host::devices(3), {.check_contracts = on});
+    for (int k = 0; k < 2; ++k) dp.step(d.all(), [](named& r, test::samples<float> s) { r.backward(s); });
+    return std::vector<float>(m.gb.begin(), m.gb.end());
+  };
+  CHECK(run_dp(true) == run_dp(false));
+
+  // DDP with grad_ready, gradient accumulation and a parameter never marked (find_unused_parameters).
+  auto const run_ddp = [&](bool on) {
+    auto groups = dpl::host::make_group(2);
+    std::vector<std::vector<float>> out(2);
+    test::rethrow_first(test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+      named m;
+      dpl::distributed_data_parallel<named> ddp(
+          m, g, {.find_unused_parameters = true, .check_contracts = on});
+      auto const mine = dpl::slice_batch(d.all(), static_cast<std::size_t>(r) * 6, static_cast<std::size_t>(r) * 6 + 6);
+      auto const weight_only = [](named& rep, test::samples<float> s, dpl::step_context& ctx) {
+        rep.backward(s, 0);
+        ctx.grad_ready(0);  // the bias is unused this step
+      };
+      {
+        auto scope = ddp.no_sync();
+        ddp.step(dpl::slice_batch(mine, 0, 3), weight_only);
+      }
+      ddp.step(dpl::slice_batch(mine, 3, 6), weight_only);
+      ddp.step(mine, [](named& rep, test::samples<float> s) { rep.backward(s); });
+      out[static_cast<std::size_t>(r)] = m.gw;
+      out[static_cast<std::size_t>(r)].insert(out[static_cast<std::size_t>(r)].end(), m.gb.begin(), m.gb.end());
+    }));
+    return out;
+  };
+  auto const on = run_ddp(true), off = run_ddp(false);
+  CHECK(on == off);
+  CHECK(on[0] == on[1]);
+}
+
+TEST_CASE("contract check: DDP names the rank, and checks a gradient when it is marked ready", "[host][contract_check]") {
+  auto const d = data();
+  auto const fail_on_rank_1 = [&](auto fn) {
+    auto groups = dpl::host::make_group(2);
+    auto errors = test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+      named m;
+      dpl::distributed_data_parallel<named> ddp(m, g, checked());
+      ddp.step(dpl::slice_batch(d.all(), static_cast<std::size_t>(r) * 4, static_cast<std::size_t>(r) * 4 + 4), fn);
+    });
+    CHECK(errors[0] != nullptr);  // the failing rank aborts the group
+    return message_of(errors[1]);
+  };
+  // A partial write on rank 1, found when the step function returns.
+  auto const what = fail_on_rank_1([](named& r, test::samples<float> s, dpl::step_context& ctx) {
+    r.backward(s, ctx.rank() == 1 ? 7 : 10);
+  });
+  CHECK(contains_all(what, {"did not write gradient `fc2.bias` elements 7..9 (3 of 10", "on rank 1"}));
+  // Marked ready before it was written: found at grad_ready, before its bucket is reduced (the
+  // write that follows would hide it from a check at the end).
+  auto const early = fail_on_rank_1([](named& r, test::samples<float> s, dpl::step_context& ctx) {
+    r.backward(s, ctx.rank() == 1 ? 0 : 10);
+    ctx.grad_ready(1);
+    r.backward(s);
+    ctx.grad_ready(0);
+  });
+  CHECK(contains_all(early, {"did not write gradient `fc2.bias` elements 0..9 (10 of 10", "on rank 1"}));
+}
+
+TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS turns it on, 0 leaves it off", "[host][contract_check]") {
+  char const* before = std::getenv("DPARALLEL_CHECK_CONTRACTS");
+  std::string const saved = before != nullptr ? before : "";
+  auto const d = data();
+  auto const copy_trains = [](named& r, test::samples<float> s) {
+    named copy(r);
+    copy.backward(s);
+  };
+  auto const fails = [&] {
+    named m;
+    dpl::data_parallel<named> dp(m, dpl::host::devices(2));  // options::check_contracts left false
+    try {
+      dp.step(d.all(), copy_trains);
+    } catch (dpl::error const& e) {
+      return std::string(e.what()).find("did not write gradient") != std::string::npos;
+    }
+    return false;
+  };
+  ::setenv("DPARALLEL_CHECK_CONTRACTS", "1", 1);
+  CHECK(fails());
+  ::setenv("DPARALLEL_CHECK_CONTRACTS", "0", 1);
+  CHECK_FALSE(fails());
+  ::unsetenv("DPARALLEL_CHECK_CONTRACTS");
+  CHECK_FALSE(fails());
+  if (before != nullptr) ::setenv("DPARALLEL_CHECK_CONTRACTS", saved.c_str(), 1);
+}
