@@ -4,17 +4,21 @@
 #include "models.hpp"
 #include "rank_threads.hpp"
 
+#include <dparallel/comm/desync.hpp>
 #include <dparallel/comm/host.hpp>
 #include <dparallel/dparallel.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -218,4 +222,65 @@ TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS turns it on, 0 leaves it of
   ::unsetenv("DPARALLEL_CHECK_CONTRACTS");
   CHECK_FALSE(fails());
   if (before != nullptr) ::setenv("DPARALLEL_CHECK_CONTRACTS", saved.c_str(), 1);
+}
+
+TEST_CASE("a rank that never builds its DDP wrapper is reported as the constructor's failure", "[host][contract_check]") {
+  auto groups = dpl::host::make_group(2, std::chrono::milliseconds(300));
+  auto errors = test::on_ranks(
+      groups,
+      [&](int, dpl::process_group& g) {
+        named m;
+        dpl::distributed_data_parallel<named> ddp(m, g);
+      },
+      {0});  // rank 1 never builds its wrapper
+  REQUIRE(errors[0] != nullptr);
+  try {
+    std::rethrow_exception(errors[0]);
+  } catch (dpl::timeout_error const& e) {  // the type the collective raised
+    CHECK(e.rank() == 1);
+    CHECK(contains_all(e.what(), {"DDP's constructor (distributed_data_parallel(model, group)) on rank 0 failed",
+                                  "every rank must construct its DDP wrapper", "rank 1"}));
+  }
+}
+
+TEST_CASE("under desync detection DDP warns once about different batch sizes and fails on different sampler epochs",
+          "[host][contract_check][desync]") {
+  auto const d = data(16);
+  auto const good = [](named& r, test::samples<float> s) { r.backward(s); };
+  auto const batches = [&](bool detect) {
+    auto groups = dpl::host::make_group(2);
+    std::mutex m;
+    std::vector<std::string> lines;
+    test::rethrow_first(test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+      named model;
+      dpl::options o;
+      o.warning_sink = [&](std::string_view line) {
+        std::lock_guard held(m);
+        lines.emplace_back(line);
+      };
+      dpl::distributed_data_parallel<named> ddp(model, detect ? dpl::with_desync_detection(g) : g, o);
+      std::size_t const n = r == 0 ? 4 : 2;
+      for (int step = 0; step < 3; ++step) ddp.step(dpl::slice_batch(d.all(), 0, n), good);
+    }));
+    return lines;
+  };
+  auto const warned = batches(true);
+  REQUIRE(warned.size() == 2);  // once per rank, not once per step
+  CHECK(contains_all(warned[0], {"the ranks feed different batch sizes (rank 0: 4 samples, rank 1: 2 samples)",
+                                 "average_mode::samples"}));
+  CHECK(batches(false).empty());  // the check belongs to desync detection
+
+  auto groups = dpl::host::make_group(2);
+  auto errors = test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+    dpl::distributed_sampler sampler(16, 2, r);
+    named model;
+    dpl::distributed_data_parallel<named> ddp(model, dpl::with_desync_detection(g));
+    for (std::uint64_t epoch = 0; epoch < 2; ++epoch) {
+      if (r == 0) sampler.set_epoch(epoch);  // rank 1 forgets
+      ddp.step(dpl::slice_batch(d.all(), 0, 4), good);
+    }
+  });
+  for (auto const& e : errors)
+    CHECK(contains_all(message_of(e), {"the ranks' samplers are on different epochs (rank 0: epoch 1, rank 1: epoch 0)",
+                                       "set_epoch"}));
 }

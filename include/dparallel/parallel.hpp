@@ -127,9 +127,12 @@ class parallel {
     rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(dev));
     rs_.compute_done.resize(1);
     rs_.refresh_views();
-    replicate_.on_construct(rs_);
-    if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
-    reduce_.on_construct(rs_);
+    agreement_.enable(rs_);
+    detail::as_ddp_constructor(rs_.rank(), [&] {
+      replicate_.on_construct(rs_);
+      if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
+      reduce_.on_construct(rs_);
+    });
   }
 
   /// DDP: the same from anything that holds a process group as `group()`, e.g. the rank_context
@@ -321,6 +324,7 @@ class parallel {
     auto const entered = profile_clock::now();
     detail::plan_step(scatter_, rs_, batch_size(batch));
     rs_.refresh_views();
+    if constexpr (is_distributed_v<Semantics>) agreement_.check(rs_);  // under desync detection: core/rank_checks.hpp
     started_.resize(rs_.size());
     ended_.resize(rs_.size());
     auto const planned = profile_clock::now();
@@ -504,6 +508,7 @@ class parallel {
   reduce_type reduce_{};
   scatter_type scatter_{};
   detail::join_control join_;  // DDP: uneven inputs and sample weighting (policy/join.hpp)
+  detail::step_agreement agreement_;  // DDP under desync detection: batch sizes, sampler epochs
   detail::contract_check<Model, Backend> contracts_;  // options::check_contracts (core/contract_check.hpp)
   // Per-step scratch kept across steps: each device's step_context, and the output slots (their
   // type depends on the step function's output, see run_step).

@@ -20,6 +20,10 @@
 // zeroed. Models whose traits have begin_shard (framework adapters: libtorch zeroes the gradients
 // there and autograd accumulates into them) keep their own protocol and are not checked.
 //
+// Gradients outside host memory are filled and read through the backend when it has
+// read_to_host(host_dst, src) (a copy waited for); a backend without it leaves them unchecked (the
+// CUDA backend, at present).
+//
 // Off, it costs one branch per step and per grad_ready call. On, it costs a write and a read of
 // every gradient per step, and the first step allocates the pattern.
 
