@@ -284,3 +284,14 @@ TEST_CASE("under desync detection DDP warns once about different batch sizes and
     CHECK(contains_all(message_of(e), {"the ranks' samplers are on different epochs (rank 0: epoch 1, rank 1: epoch 0)",
                                        "set_epoch"}));
 }
+
+TEST_CASE("a gradient that does not match its parameter is named by parameter_names()", "[host][contract_check]") {
+  struct ragged_named : named {
+    std::vector<float> short_gb = std::vector<float>(9);
+    auto gradients() { return std::array{dpl::view(gw), dpl::view(short_gb)}; }
+  };
+  ragged_named m;
+  CHECK_THROWS_WITH(dpl::data_parallel<ragged_named>(m, dpl::host::devices(2)),
+                    Catch::Contains("gradient `fc2.bias` does not match its parameter: expected 10 elements of F32, "
+                                    "found 9"));
+}
