@@ -197,7 +197,7 @@ TEST_CASE("contract check: DDP names the rank, and checks a gradient when it is 
   CHECK(contains_all(early, {"did not write gradient `fc2.bias` elements 0..9 (10 of 10", "on rank 1"}));
 }
 
-TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS turns it on, 0 leaves it off", "[host][contract_check]") {
+TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS decides when the option is left empty", "[host][contract_check]") {
   char const* before = std::getenv("DPARALLEL_CHECK_CONTRACTS");
   std::string const saved = before != nullptr ? before : "";
   auto const d = data();
@@ -205,9 +205,9 @@ TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS turns it on, 0 leaves it of
     named copy(r);
     copy.backward(s);
   };
-  auto const fails = [&] {
+  auto const fails = [&](dpl::options o = {}) {
     named m;
-    dpl::data_parallel<named> dp(m, dpl::host::devices(2));  // options::check_contracts left false
+    dpl::data_parallel<named> dp(m, dpl::host::devices(2), o);
     try {
       dp.step(d.all(), copy_trains);
     } catch (dpl::error const& e) {
@@ -216,11 +216,13 @@ TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS turns it on, 0 leaves it of
     return false;
   };
   ::setenv("DPARALLEL_CHECK_CONTRACTS", "1", 1);
-  CHECK(fails());
+  CHECK(fails());  // options::check_contracts left empty: the variable decides
+  CHECK_FALSE(fails({.check_contracts = false}));  // an explicit value wins
   ::setenv("DPARALLEL_CHECK_CONTRACTS", "0", 1);
   CHECK_FALSE(fails());
   ::unsetenv("DPARALLEL_CHECK_CONTRACTS");
   CHECK_FALSE(fails());
+  CHECK(fails({.check_contracts = true}));
   if (before != nullptr) ::setenv("DPARALLEL_CHECK_CONTRACTS", saved.c_str(), 1);
 }
 

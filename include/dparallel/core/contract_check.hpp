@@ -1,5 +1,5 @@
 #pragma once
-// The contract-checking mode (options::check_contracts, or DPARALLEL_CHECK_CONTRACTS=1): a debug
+// The contract-checking mode (options::check_contracts, else DPARALLEL_CHECK_CONTRACTS=1): a debug
 // check that the step function kept its side of the step's contract, leaving the gradient of
 // its shard in gradients(replica), every element of it, on the replica it was given.
 //
@@ -20,9 +20,10 @@
 // zeroed. Models whose traits have begin_shard (framework adapters: libtorch zeroes the gradients
 // there and autograd accumulates into them) keep their own protocol and are not checked.
 //
-// Gradients outside host memory are filled and read through the backend when it has
-// read_to_host(host_dst, src) (a copy waited for); a backend without it leaves them unchecked (the
-// CUDA backend, at present).
+// Gradients outside host memory (CUDA) are filled by the backend's copy from a host pattern on the
+// device's stream, and read back through Backend::read_to_host(host_dst, src) (a copy waited for);
+// a backend without read_to_host leaves them unchecked. A GPU turns any NaN arithmetic produces
+// into its canonical NaN, so there `g += ...` is not caught, only elements never written.
 //
 // Off, it costs one branch per step and per grad_ready call. On, it costs a write and a read of
 // every gradient per step, and the first step allocates the pattern.
@@ -38,6 +39,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,10 +47,10 @@
 DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
-/// Whether the mode is on: `option` (options::check_contracts), or DPARALLEL_CHECK_CONTRACTS set to
-/// anything but "" or "0".
-inline bool contract_check_requested(bool option) {
-  if (option) return true;
+/// Whether the mode is on: `option` (options::check_contracts) when it holds a value, else whether
+/// DPARALLEL_CHECK_CONTRACTS is set to anything but "" or "0".
+inline bool contract_check_requested(std::optional<bool> option) {
+  if (option) return *option;
   char const* env = std::getenv("DPARALLEL_CHECK_CONTRACTS");  // NOLINT(concurrency-mt-unsafe): read once per wrapper
   return env != nullptr && std::string_view(env) != "" && std::string_view(env) != "0";
 }
@@ -125,6 +127,7 @@ class contract_check {
   void before_compute(Set& s) {
     marked_.resize(s.size());
     for (std::size_t i = 0; i < s.size(); ++i) marked_[i].assign(s.grads[i].size(), 0);
+    scratch_.resize(s.size());  // here: the devices' threads use their own entries
     bool host = true;
     for (std::size_t i = 0; i < s.size(); ++i)
       for (auto const& g : s.grads[i]) host = host && g.device().kind == device_kind::host;
@@ -210,7 +213,6 @@ class contract_check {
   }
 
   std::vector<std::byte>& host_copy(std::size_t replica, tensor_ref g) {
-    if (scratch_.size() <= replica) scratch_.resize(replica + 1);
     scratch_[replica].resize(g.size_bytes());
     return scratch_[replica];
   }

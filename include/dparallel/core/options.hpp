@@ -87,15 +87,17 @@ struct options {
   /// memory or multiprocessors (backends that describe their devices only). An empty function
   /// silences them.
   std::function<void(std::string_view)> warning_sink = warn_to_stderr;
-  /// Contract checking, a debug mode (also on when the environment variable
-  /// DPARALLEL_CHECK_CONTRACTS is set to anything but 0): before each step every gradient the step
+  /// Contract checking, a debug mode: true or false turns it on or off; left empty, the
+  /// environment variable DPARALLEL_CHECK_CONTRACTS decides (on when set to anything but 0), so a
+  /// whole run can be checked without changing code. Before each step every gradient the step
   /// functions must write is filled with a NaN pattern, and an element still holding it after a
   /// step function returned (or when it marked the gradient ready) is an error naming the
   /// parameter, the elements and the device or rank. It catches a model taken by value, a
   /// gradient written in part or added into, and DataParallel replicas sharing gradient memory.
   /// It costs a write and a read of every gradient per step; off, nothing (see
-  /// core/contract_check.hpp).
-  bool check_contracts = false;
+  /// core/contract_check.hpp). A step function that writes no gradient on purpose (a forward pass
+  /// only) fails with it on: give such a wrapper check_contracts = false.
+  std::optional<bool> check_contracts{};
 };
 
 DPARALLEL_NAMESPACE_END
