@@ -297,3 +297,20 @@ TEST_CASE("a gradient that does not match its parameter is named by parameter_na
                     Catch::Contains("gradient `fc2.bias` does not match its parameter: expected 10 elements of F32, "
                                     "found 9"));
 }
+
+TEST_CASE("DDP's grad_ready errors name the parameters by parameter_names()", "[host][contract_check]") {
+  auto const d = data();
+  auto groups = dpl::host::make_group(2);
+  auto errors = test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+    named m;
+    dpl::distributed_data_parallel<named> ddp(m, g, {.check_contracts = false});
+    ddp.step(dpl::slice_batch(d.all(), static_cast<std::size_t>(r) * 4, static_cast<std::size_t>(r) * 4 + 4),
+             [](named& rep, test::samples<float> s, dpl::step_context& ctx) {
+               rep.backward(s);
+               ctx.grad_ready(0);  // never the bias
+             });
+  });
+  bool named_it = false;
+  for (auto const& e : errors) named_it = named_it || message_of(e).find("never for parameter(s) `fc2.bias`") != std::string::npos;
+  CHECK(named_it);
+}
