@@ -10,8 +10,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -82,24 +84,33 @@ TEST_CASE("contract check: a step that trains a copy of the model (as a by-value
     named copy(r);
     copy.backward(s);
   };
+  // Zeroed gradients (as made, or as the user zeroes them) may be added into: writing none of them
+  // is the error.
   CHECK_THROWS_WITH(dp.step(d.all(), copy_trains),
-                    Catch::Contains("the step function did not write gradient `fc2.weight` elements 0..5 (6 of 6") &&
-                        Catch::Contains("on device host:") && Catch::Contains("Model&"));
-  // The wrapper stays usable: a correct step runs.
-  CHECK_NOTHROW(dp.step(d.all(), [](named& r, test::samples<float> s) { r.backward(s); }));
+                    Catch::Contains("the step function wrote none of the gradients of the replica on device host:") &&
+                        Catch::Contains("Model&"));
+  // The wrapper stays usable: a correct step runs, and leaves gradients that are not zero.
+  auto const good = [](named& r, test::samples<float> s) { r.backward(s); };
+  CHECK_NOTHROW(dp.step(d.all(), good));
+  // Gradients that are not zero must be overwritten: every element left is named.
+  CHECK_THROWS_WITH(dp.step(d.all(), copy_trains),
+                    Catch::Contains("the step function did not write gradient `fc2.bias` elements 0..9 (10 of 10") &&
+                        Catch::Contains("on device host:0") && Catch::Contains("Model&"));
 }
 
 TEST_CASE("contract check: a partial write names the gradient, the elements and the device", "[host][contract_check]") {
   named m;
   dpl::data_parallel<named> dp(m, dpl::host::devices(2), checked());
   auto const d = data();
-  auto partial_on_1 = [](named& r, test::samples<float> s, dpl::step_context& ctx) {
-    r.backward(s, ctx.replica() == 1 ? 5 : 10);
+  auto const good = [](named& r, test::samples<float> s) { r.backward(s); };
+  dp.step(d.all(), good);  // the master's gradients are not zero from here on
+  auto partial_on_0 = [](named& r, test::samples<float> s, dpl::step_context& ctx) {
+    r.backward(s, ctx.replica() == 0 ? 5 : 10);
   };
-  CHECK_THROWS_WITH(dp.step(d.all(), partial_on_1),
+  CHECK_THROWS_WITH(dp.step(d.all(), partial_on_0),
                     Catch::Contains("did not write gradient `fc2.bias` elements 5..9 (5 of 10") &&
-                        Catch::Contains("on device host:1"));
-  // Gaps: several ranges, on every device (the first device's error is the step's).
+                        Catch::Contains("on device host:0"));
+  // Gaps: several ranges.
   auto holes = [](named& r, test::samples<float> s) {
     r.backward(s, 0);
     auto g = r.gradients();
@@ -107,7 +118,7 @@ TEST_CASE("contract check: a partial write names the gradient, the elements and 
   };
   CHECK_THROWS_WITH(dp.step(d.all(), holes),
                     Catch::Contains("did not write gradient `fc2.bias` elements 1, 4..5, 9 (4 of 10"));
-  // A step function that adds into the gradient keeps the pattern too.
+  // Adding into a gradient that was not zeroed keeps the pattern too (it would pile up).
   auto adds = [](named& r, test::samples<float> s) {
     r.backward(s, 0);
     for (auto& v : r.gb) v += 1.0f;
@@ -123,10 +134,41 @@ TEST_CASE("contract check: DataParallel replicas sharing gradient memory are cau
   auto const good = [](named& r, test::samples<float> s) { r.backward(s); };
   dp.step(d.all(), good);
   dp.replica(1).gb_at = m.gb.data();  // the replica's bias gradient is now the master's
-  CHECK_THROWS_WITH(dp.step(d.all(), good), Catch::Contains("DataParallel on host:0: gradient `fc2.bias` shares "
-                                                            "memory with the gradients of another replica"));
+  CHECK_THROWS_WITH(dp.step(d.all(), good),
+                    Catch::Contains("gradient `fc2.bias` on host:1 shares memory with gradient `fc2.bias` on host:0"));
   dp.replica(1).gb_at = nullptr;
   CHECK_NOTHROW(dp.step(d.all(), good));
+}
+
+TEST_CASE("contract check: adding into zeroed gradients is the contract too, and gives the same bits",
+          "[host][contract_check]") {
+  auto const d = data();
+  auto const run = [&](bool on, bool add) {
+    auto groups = dpl::host::make_group(2);
+    std::vector<std::vector<float>> out(2);
+    test::rethrow_first(test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+      named m;
+      dpl::distributed_data_parallel<named> ddp(m, g, {.check_contracts = on});
+      auto const mine = dpl::slice_batch(d.all(), static_cast<std::size_t>(r) * 4, static_cast<std::size_t>(r) * 4 + 4);
+      for (int step = 0; step < 3; ++step) {
+        std::fill(m.gw.begin(), m.gw.end(), 0.0f);  // PyTorch's zero_grad()
+        std::fill(m.gb.begin(), m.gb.end(), 0.0f);
+        ddp.step(mine, [add](named& rep, test::samples<float> s) {
+          if (!add) return rep.backward(s);
+          named fresh(rep);
+          fresh.backward(s, 7);  // the bias's last elements get no gradient: they stay zero
+          for (std::size_t k = 0; k < rep.gw.size(); ++k) rep.gw[k] += fresh.gw[k];
+          for (std::size_t k = 0; k < 7; ++k) rep.gb[k] += fresh.gb[k];
+        });
+      }
+      out[static_cast<std::size_t>(r)] = m.gb;
+    }));
+    return out;
+  };
+  auto const on = run(true, true);
+  CHECK(on == run(false, true));
+  CHECK(on[0][9] == 0.0f);
+  CHECK_FALSE(std::signbit(on[0][9]));  // set back to +0.0
 }
 
 TEST_CASE("contract check: a correct step gives the bits of the mode off, DP and DDP, no_sync and unused parameters",
@@ -176,7 +218,9 @@ TEST_CASE("contract check: DDP names the rank, and checks a gradient when it is 
     auto errors = test::on_ranks(groups, [&](int r, dpl::process_group& g) {
       named m;
       dpl::distributed_data_parallel<named> ddp(m, g, checked());
-      ddp.step(dpl::slice_batch(d.all(), static_cast<std::size_t>(r) * 4, static_cast<std::size_t>(r) * 4 + 4), fn);
+      auto const mine = dpl::slice_batch(d.all(), static_cast<std::size_t>(r) * 4, static_cast<std::size_t>(r) * 4 + 4);
+      ddp.step(mine, [](named& rep, test::samples<float> s) { rep.backward(s); });  // gradients not zero from here on
+      ddp.step(mine, fn);
     });
     CHECK(errors[0] != nullptr);  // the failing rank aborts the group
     return message_of(errors[1]);
@@ -211,7 +255,7 @@ TEST_CASE("contract check: DPARALLEL_CHECK_CONTRACTS decides when the option is 
     try {
       dp.step(d.all(), copy_trains);
     } catch (dpl::error const& e) {
-      return std::string(e.what()).find("did not write gradient") != std::string::npos;
+      return std::string(e.what()).find("DPARALLEL_CHECK_CONTRACTS") != std::string::npos;
     }
     return false;
   };

@@ -1,17 +1,23 @@
 #pragma once
 // The contract-checking mode (options::check_contracts, else DPARALLEL_CHECK_CONTRACTS=1): a debug
 // check that the step function kept its side of the step's contract, leaving the gradient of
-// its shard in gradients(replica), every element of it, on the replica it was given.
+// its shard in gradients(replica), on the replica it was given.
 //
-// Before the step functions run, every floating-point gradient of every replica that runs one is
-// filled with a pattern: a quiet NaN whose payload no arithmetic produces (and which x86 keeps
-// through an addition, so `g += ...` keeps it too), different per replica. After a step function
-// returns, and earlier for a gradient it marks ready (step_context::grad_ready: under DDP its
-// bucket may be reduced at once), an element whose bits are still the pattern is an error naming
-// the parameter, the elements and the device or rank. That catches a model taken by value
-// (nothing written), a step function that writes only part of a gradient or adds into it, and
-// (DataParallel) replicas whose gradients share memory: a replica's fill then overwrites
-// another's, which is seen before any step function runs.
+// The contract lets a step function overwrite the gradients or add into them, the latter only
+// into gradients that are zero when it starts (zeroed by the user, as module.zero_grad() in
+// PyTorch, or by the wrapper). So, on each device just before its step function, each
+// floating-point gradient of the replica is filled according to what it holds:
+// - a gradient that is not all zeros must be overwritten: it is filled with a quiet NaN whose
+//   payload no arithmetic produces (and which x86 keeps through an addition, so `g += ...` keeps
+//   it too); an element whose bits are still the pattern after the step function is an error
+//   naming the parameter, the elements and the device or rank;
+// - a gradient of zeros may be added into: it is filled with -0.0 (a zero, so sums into it are
+//   exact), and a step function that left every element of every gradient of its replica at
+//   -0.0 wrote nothing (it trained a copy of the model) and is an error; elements left at -0.0
+//   are set back to +0.0.
+// A gradient marked ready (step_context::grad_ready: under DDP its bucket may be reduced at once)
+// is looked at then, and not again. DataParallel replicas whose gradients share memory are an
+// error before any step function runs (an address check of every replica's gradients).
 //
 // Gradient accumulation (no_sync) changes nothing here: the reducer accumulates into storage of
 // its own, and the step function writes its micro-step's gradient afresh every time, so every
@@ -20,13 +26,13 @@
 // zeroed. Models whose traits have begin_shard (framework adapters: libtorch zeroes the gradients
 // there and autograd accumulates into them) keep their own protocol and are not checked.
 //
-// Gradients outside host memory (CUDA) are filled by the backend's copy from a host pattern on the
-// device's stream, and read back through Backend::read_to_host(host_dst, src) (a copy waited for);
-// a backend without read_to_host leaves them unchecked. A GPU turns any NaN arithmetic produces
-// into its canonical NaN, so there `g += ...` is not caught, only elements never written.
+// Gradients outside host memory (CUDA) are read through Backend::read_to_host(host_dst, src) (a
+// copy waited for) and filled by the backend's copy from host memory, on the device's stream; a
+// backend without read_to_host leaves them unchecked. A GPU turns any NaN arithmetic produces into
+// its canonical NaN, so there `g += ...` into a gradient that was not zero is not caught.
 //
-// Off, it costs one branch per step and per grad_ready call. On, it costs a write and a read of
-// every gradient per step, and the first step allocates the pattern.
+// Off, it costs one branch per step and per grad_ready call. On, it costs a few passes over
+// every gradient per step; its lists are kept across steps.
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/device.hpp>
@@ -35,9 +41,11 @@
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -111,64 +119,94 @@ inline std::size_t pattern_count(void const* data, std::size_t n, std::size_t wi
   return count;
 }
 
+/// The bits of -0.0 in `t` (0 for a dtype that is not floating-point).
+constexpr std::uint64_t negative_zero(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return 0x8000'0000u;
+    case dtype::f64: return 0x8000'0000'0000'0000ull;
+    case dtype::f16:
+    case dtype::bf16: return 0x8000u;
+    default: return 0;
+  }
+}
+
+/// Sets the `n` elements at `data` (host memory, `width` bytes each) to the bits `bits`.
+inline void put_bits(void* data, std::size_t n, std::size_t width, std::uint64_t bits) noexcept {
+  auto* p = static_cast<std::byte*>(data);
+  for (std::size_t k = 0; k < n; ++k, p += width) std::memcpy(p, &bits, width);
+}
+/// The same for the elements that hold the bits `only`.
+inline void replace_bits(void* data, std::size_t n, std::size_t width, std::uint64_t only,
+                         std::uint64_t bits) noexcept {
+  auto* p = static_cast<std::byte*>(data);
+  for (std::size_t k = 0; k < n; ++k, p += width) {
+    std::uint64_t v = 0;
+    std::memcpy(&v, p, width);
+    if (v == only) std::memcpy(p, &bits, width);
+  }
+}
+
 /// One wrapper's contract checker (see the top of this file); its `Set` arguments are the wrapper's
 /// replica_set.
 template <class Model, class Backend>
 class contract_check {
+  enum fill : char { none, overwrite, accumulate };  // how a gradient was filled this step
+
  public:
   /// Turns the mode on or off (at construction: options::check_contracts or the variable).
   void enable(bool on) noexcept { on_ = on && !traits_begin_shard<Model>; }
   /// Whether the mode is on.
   [[nodiscard]] bool on() const noexcept { return on_; }
 
-  /// Before the step functions are enqueued, on the calling thread: fills every gradient of every
-  /// replica that runs a step function (host memory here; other memory is filled by fill_device on
-  /// the device's own stream), then checks that no replica's fill overwrote another's.
+  /// Before the step functions are enqueued, on the calling thread: sizes the per-device lists and
+  /// checks that no two replicas' gradients share memory.
   template <class Set>
   void before_compute(Set& s) {
-    marked_.resize(s.size());
-    for (std::size_t i = 0; i < s.size(); ++i) marked_[i].assign(s.grads[i].size(), 0);
+    fills_.resize(s.size());
+    done_.resize(s.size());
+    wrote_.assign(s.size(), 0);
     scratch_.resize(s.size());  // here: the devices' threads use their own entries
-    bool host = true;
-    for (std::size_t i = 0; i < s.size(); ++i)
-      for (auto const& g : s.grads[i]) host = host && g.device().kind == device_kind::host;
-    host_ = host;
-    if (!host_) return;
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      fills_[i].assign(s.grads[i].size(), none);
+      done_[i].assign(s.grads[i].size(), 0);
+    }
+    spans_.clear();
     for (std::size_t i = 0; i < s.size(); ++i)
       if (s.active(i))
-        for (auto const& g : s.grads[i]) fill_host(g, i);
-    for (std::size_t i = 0; i < s.size(); ++i) {
-      if (!s.active(i)) continue;
-      for (std::size_t p = 0; p < s.grads[i].size(); ++p) {
-        tensor_ref const g = s.grads[i][p];
-        std::uint64_t const bits = contract_pattern(g.dtype(), i);
-        if (bits == 0 || g.size() == 0) continue;
-        std::size_t const n = pattern_count(g.data(), g.size(), size_of(g.dtype()), bits);
-        if (n == g.size()) continue;
-        throw invalid_argument("dparallel: " + where(s, i) + ": gradient " + parameter_label(*s.models[i], p) +
-                               " shares memory with the gradients of another replica (" +
-                               std::to_string(g.size() - n) + " of its " + std::to_string(g.size()) +
-                               " elements were overwritten when the other replicas' gradients were prepared for "
-                               "the step); every replica needs gradient storage of its own: a replica made by "
-                               "copying must not keep pointers into the model it was copied from");
-      }
+        for (std::size_t p = 0; p < s.grads[i].size(); ++p)
+          if (s.grads[i][p].size() != 0) spans_.push_back({s.grads[i][p].data(), s.grads[i][p].size_bytes(), i, p});
+    std::sort(spans_.begin(), spans_.end(), [](span const& a, span const& b) {
+      return std::less<>{}(a.at, b.at) || (a.at == b.at && a.replica < b.replica);
+    });
+    for (std::size_t k = 1; k < spans_.size(); ++k) {
+      span const& a = spans_[k - 1];
+      span const& b = spans_[k];
+      auto const a_end = reinterpret_cast<std::uintptr_t>(a.at) + a.bytes;
+      if (a.replica == b.replica || reinterpret_cast<std::uintptr_t>(b.at) >= a_end) continue;
+      throw invalid_argument("dparallel: DataParallel: gradient " + parameter_label(*s.models[b.replica], b.param) +
+                             " on " + to_string(s.devices[b.replica]) + " shares memory with gradient " +
+                             parameter_label(*s.models[a.replica], a.param) + " on " + to_string(s.devices[a.replica]) +
+                             "; every replica needs gradient storage of its own: a replica made by copying must not "
+                             "keep pointers into the model it was copied from");
     }
   }
 
-  /// On replica i's stream, before its step function: fills its gradients when they are not in
-  /// host memory (through the backend's copy from a host pattern).
+  /// On replica i's stream, just before its step function: fills its gradients (see the top of
+  /// this file).
   template <class Set>
   void fill_device(Set& s, std::size_t i) {
-    if (host_) return;
-    if constexpr (requires(tensor_ref a) { Backend::read_to_host(a, a); }) {
-      for (auto const& g : s.grads[i]) {
-        std::uint64_t const bits = contract_pattern(g.dtype(), i);
-        if (bits == 0 || g.size() == 0) continue;
-        auto& h = host_copy(i, g);
-        for (std::size_t k = 0; k < g.size(); ++k)
-          std::memcpy(h.data() + k * size_of(g.dtype()), &bits, size_of(g.dtype()));
-        Backend::immediate::copy(g, tensor_ref(h.data(), g.size(), g.dtype()));
-      }
+    for (std::size_t p = 0; p < s.grads[i].size(); ++p) {
+      tensor_ref const g = s.grads[i][p];
+      std::uint64_t const nan = contract_pattern(g.dtype(), i);
+      if (nan == 0 || g.size() == 0) continue;
+      std::size_t const w = size_of(g.dtype());
+      void* data = readable(i, g);
+      if (data == nullptr) continue;  // not in host memory, and the backend cannot read it
+      std::uint64_t const nz = negative_zero(g.dtype());
+      bool const zeros = pattern_count(data, g.size(), w, 0) + pattern_count(data, g.size(), w, nz) == g.size();
+      fills_[i][p] = zeros ? accumulate : overwrite;
+      put_bits(data, g.size(), w, zeros ? nz : nan);
+      write_back(i, g, data);
     }
   }
 
@@ -176,79 +214,111 @@ class contract_check {
   /// checked now, before a reducer reads it.
   template <class Set>
   void on_ready(Set& s, std::size_t replica, std::size_t param) {
-    if (replica >= marked_.size() || param >= marked_[replica].size() || marked_[replica][param]) return;
-    marked_[replica][param] = 1;
-    check(s, replica, param);
+    if (replica >= done_.size() || param >= done_[replica].size() || done_[replica][param]) return;
+    done_[replica][param] = 1;
+    inspect(s, replica, param, false);  // the reducer may already read it: left as it is
   }
 
   /// On replica i's stream, after its step function returned: checks every gradient not checked
-  /// when it was marked ready.
+  /// when it was marked ready, then whether the step function wrote anything at all.
   template <class Set>
   void after_step(Set& s, std::size_t i) {
-    auto& marked = marked_[i];
+    auto& done = done_[i];
     bool any = false;
-    for (char m : marked) any = any || m != 0;
-    for (std::size_t p = 0; p < marked.size(); ++p) {
-      if (marked[p]) continue;
+    for (char m : done) any = any || m != 0;
+    for (std::size_t p = 0; p < done.size(); ++p) {
+      if (done[p]) continue;
       if (any && s.opts.find_unused_parameters) {  // unused: a zero gradient, not the pattern
         Backend::immediate::zero(s.grads[i][p]);
+        wrote_[i] = 1;
         continue;
       }
-      check(s, i, p);
+      inspect(s, i, p, true);
     }
+    bool filled = false;
+    for (char f : fills_[i]) filled = filled || f != none;
+    if (!filled || wrote_[i]) return;
+    throw invalid_argument("dparallel: the step function wrote none of the gradients of the replica on " + here(s, i) +
+                           " (every element still holds the -0.0 the contract check put in the zeroed "
+                           "gradients): it trained a copy of the model? Take the model as `Model&`; a step "
+                           "function that computes no gradient on purpose (a forward pass only) needs "
+                           "options::check_contracts = false. " +
+                           std::string(reason));
   }
 
  private:
-  template <class Set>
-  static std::string where(Set& s, std::size_t i) {
-    return s.group.valid() ? "DDP on rank " + std::to_string(s.rank()) : "DataParallel on " + to_string(s.devices[i]);
-  }
+  static constexpr char const* reason =
+      "The check is on because of options::check_contracts or DPARALLEL_CHECK_CONTRACTS";
 
-  void fill_host(tensor_ref g, std::size_t replica) const {
-    std::uint64_t const bits = contract_pattern(g.dtype(), replica);
-    if (bits == 0) return;
-    auto* p = static_cast<std::byte*>(g.data());
-    std::size_t const w = size_of(g.dtype());
-    for (std::size_t k = 0; k < g.size(); ++k, p += w) std::memcpy(p, &bits, w);
-  }
-
-  std::vector<std::byte>& host_copy(std::size_t replica, tensor_ref g) {
-    scratch_[replica].resize(g.size_bytes());
-    return scratch_[replica];
-  }
+  struct span {
+    void const* at;
+    std::size_t bytes;
+    std::size_t replica, param;
+  };
 
   template <class Set>
-  void check(Set& s, std::size_t i, std::size_t p) {
-    tensor_ref const g = s.grads[i][p];
-    std::uint64_t const bits = contract_pattern(g.dtype(), i);
-    if (bits == 0 || g.size() == 0) return;
-    void const* data = g.data();
-    if (!host_) {
-      if constexpr (requires(tensor_ref a) { Backend::read_to_host(a, a); }) {
-        auto& h = host_copy(i, g);
-        Backend::read_to_host(tensor_ref(h.data(), g.size(), g.dtype()), g);
-        data = h.data();
-      } else {
-        return;
-      }
+  static std::string here(Set& s, std::size_t i) {
+    return s.group.valid() ? "rank " + std::to_string(s.rank()) : "device " + to_string(s.devices[i]);
+  }
+
+  // The gradient's elements where the host can read and write them: in place in host memory, else
+  // a copy read through the backend (null when it cannot).
+  void* readable(std::size_t replica, tensor_ref g) {
+    if (g.device().kind == device_kind::host) return g.data();
+    if constexpr (requires(tensor_ref a) { Backend::read_to_host(a, a); }) {
+      auto& h = scratch_[replica];
+      h.resize(g.size_bytes());
+      Backend::read_to_host(tensor_ref(h.data(), g.size(), g.dtype()), g);
+      return h.data();
+    } else {
+      return nullptr;
     }
+  }
+  // After `data` (from readable) was changed: the copy goes back to the gradient.
+  static void write_back(std::size_t, tensor_ref g, void* data) {
+    if (data != g.data()) Backend::immediate::copy(g, tensor_ref(data, g.size(), g.dtype()));
+  }
+
+  template <class Set>
+  void inspect(Set& s, std::size_t i, std::size_t p, bool restore) {
+    auto const how = static_cast<fill>(fills_[i][p]);
+    if (how == none) return;
+    tensor_ref const g = s.grads[i][p];
     std::size_t const w = size_of(g.dtype());
-    if (pattern_count(data, g.size(), w, bits) == 0) return;
+    void* data = readable(i, g);
+    if (data == nullptr) return;
+    if (how == accumulate) {
+      std::uint64_t const nz = negative_zero(g.dtype());
+      std::size_t const left = pattern_count(data, g.size(), w, nz);
+      if (left < g.size()) wrote_[i] = 1;
+      if (restore && left != 0) {  // never written, or added nothing: +0.0, as without the check
+        replace_bits(data, g.size(), w, nz, 0);
+        write_back(i, g, data);
+      }
+      return;
+    }
+    std::uint64_t const bits = contract_pattern(g.dtype(), i);
+    if (pattern_count(data, g.size(), w, bits) == 0) {
+      wrote_[i] = 1;
+      return;
+    }
     std::size_t n = 0;
     std::string const ranges = pattern_ranges(data, g.size(), w, bits, n);
-    throw invalid_argument(
-        "dparallel: the step function did not write gradient " +
-        parameter_label(*s.models[i], p) + " elements " + ranges + " (" + std::to_string(n) + " of " +
-        std::to_string(g.size()) + " elements still hold the NaN pattern the contract check wrote before the step) on " +
-        (s.group.valid() ? "rank " + std::to_string(s.rank()) : "device " + to_string(s.devices[i])) +
-        "; a step function must assign every element of every gradient of the replica it is given (take the model "
-        "as `Model&`, not by value; write `g = ...`, not `g += ...`); the check is on because of "
-        "options::check_contracts or DPARALLEL_CHECK_CONTRACTS");
+    throw invalid_argument("dparallel: the step function did not write gradient " + parameter_label(*s.models[i], p) +
+                           " elements " + ranges + " (" + std::to_string(n) + " of " + std::to_string(g.size()) +
+                           " elements still hold the NaN pattern the contract check wrote before the step) on " +
+                           here(s, i) +
+                           "; a step function must overwrite every element of a gradient that is not zero when it "
+                           "starts (add into a gradient only after zeroing it), on the replica it is given (take the "
+                           "model as `Model&`). " +
+                           std::string(reason));
   }
 
   bool on_ = false;
-  bool host_ = true;  // this step's gradients are all in host memory (filled in before_compute)
-  std::vector<std::vector<char>> marked_;        // per replica and parameter: checked at grad_ready
+  std::vector<std::vector<char>> fills_;  // per replica and parameter: a fill value this step
+  std::vector<std::vector<char>> done_;   // per replica and parameter: checked at grad_ready
+  std::vector<char> wrote_;               // per replica: the step function wrote some gradient element
+  std::vector<span> spans_;               // before_compute: every replica's gradients, by address
   std::vector<std::vector<std::byte>> scratch_;  // per replica: a host copy (gradients not in host memory)
 };
 
