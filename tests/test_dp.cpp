@@ -87,7 +87,8 @@ TEST_CASE("buffers are replicated from the master, never reduced", "[host][dp]")
 
 TEST_CASE("gathered outputs: void, vectors and arithmetic values", "[host][dp]") {
   test::linreg<float> m;
-  dp::data_parallel<test::linreg<float>> wrapped(m, dp::host::devices(2));
+  // Forward-only steps: they write no gradient, which the contract check would report.
+  dp::data_parallel<test::linreg<float>> wrapped(m, dp::host::devices(2), {.check_contracts = false});
   std::vector<int> ids{0, 1, 2, 3, 4};
   int runs = 0;
   std::mutex mu;

@@ -302,10 +302,10 @@ struct wide_model {
 /// The most operator new calls one of `steps` steady-state DataParallel steps over 3 host devices
 /// makes on the calling thread.
 template <class Model>
-std::size_t most_news_per_step(Model& master, std::size_t dim, int steps) {
+std::size_t most_news_per_step(Model& master, std::size_t dim, int steps, dpl::options opts = {}) {
   auto const data = test::dataset<float>::make(12, dim, 5, false);
   auto const batch = data.all();
-  dpl::data_parallel<Model> dp(master, dpl::host::devices(3));
+  dpl::data_parallel<Model> dp(master, dpl::host::devices(3), opts);
   auto fn = [](Model& m, test::samples<float> s) { return m.forward_backward(s); };
   for (int step = 0; step < 2; ++step) (void)dp.step(batch, fn);
   std::size_t most = 0;
@@ -341,4 +341,17 @@ TEST_CASE("a steady-state DataParallel step makes few heap allocations on the ca
   INFO("most operator new calls per step: linreg " << most_narrow << ", wide_model<24> " << most_wide);
   CHECK(most_narrow <= bound);
   CHECK(most_wide <= bound);
+}
+
+// The contract-checking mode (options::check_contracts) keeps its lists across steps: off it is a
+// branch, on it fills and reads the gradients in place; neither adds a heap allocation to a
+// steady-state step.
+TEST_CASE("the contract-checking mode adds no heap allocation to a steady-state step, off or on", "[host][dp][perf]") {
+  constexpr std::size_t bound = 55;  // as above
+  test::linreg<float> off_model(4, 7), on_model(4, 7);
+  std::size_t const off = most_news_per_step(off_model, 4, 50, {.check_contracts = false});
+  std::size_t const on = most_news_per_step(on_model, 4, 50, {.check_contracts = true});
+  INFO("most operator new calls per step: mode off " << off << ", mode on " << on);
+  CHECK(off <= bound);
+  CHECK(on <= bound);
 }

@@ -8,6 +8,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/core/batch.hpp>
+#include <dparallel/core/contract_check.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
@@ -90,6 +91,7 @@ class parallel {
     rs_.master = &model;
     rs_.devices = std::move(devices);
     rs_.opts = std::move(opts);
+    contracts_.enable(detail::contract_check_requested(rs_.opts.check_contracts));
     rs_.output_slot = out_slot;
     rs_.models.push_back(&model);
     for (std::size_t i = 1; i < rs_.size(); ++i) {
@@ -126,14 +128,18 @@ class parallel {
     rs_.master = &model;
     rs_.devices = {dev};
     rs_.opts = std::move(opts);
+    contracts_.enable(detail::contract_check_requested(rs_.opts.check_contracts));
     rs_.group = std::move(group);
     rs_.models.push_back(&model);
     rs_.streams.push_back(std::make_unique<typename Backend::stream_type>(dev));
     rs_.compute_done.resize(1);
     rs_.refresh_views();
-    replicate_.on_construct(rs_);
-    if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
-    reduce_.on_construct(rs_);
+    agreement_.enable(rs_);
+    detail::as_ddp_constructor(rs_.rank(), [&] {
+      replicate_.on_construct(rs_);
+      if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
+      reduce_.on_construct(rs_);
+    });
   }
 
   /// DDP: the same from anything that holds a process group as `group()`, e.g. the rank_context
@@ -325,6 +331,7 @@ class parallel {
     auto const entered = profile_clock::now();
     detail::plan_step(scatter_, rs_, batch_size(batch));
     rs_.refresh_views();
+    if constexpr (is_distributed_v<Semantics>) agreement_.check(rs_);  // under desync detection: core/rank_checks.hpp
     started_.resize(rs_.size());
     ended_.resize(rs_.size());
     auto const planned = profile_clock::now();
@@ -365,6 +372,7 @@ class parallel {
     if constexpr (is_distributed_v<Semantics>) join_.begin(rs_);  // uneven inputs: policy/join.hpp
     replicate_.before_step(rs_);
     reduce_.begin_step(rs_);
+    if (contracts_.on()) contracts_.before_compute(rs_);  // core/contract_check.hpp
     for (std::size_t i = 0; i < rs_.size(); ++i) {
       if (!rs_.active(i)) continue;
       step_context::shard_info info;
@@ -378,7 +386,7 @@ class parallel {
       ctx_[i] = step_context(info, &parallel::ready_trampoline, this);
       rs_.compute_done[i] = detail::enqueue_compute(*rs_.streams[i], [f = &fr, i] {
         parallel& self = *f->self;
-        F& step_fn = *f->step_fn;
+        F& fn = *f->step_fn;
         auto shard =
             slice_batch(*f->batch, self.rs_.shard_offsets[i], self.rs_.shard_offsets[i] + self.rs_.shard_sizes[i]);
         if constexpr (!is_distributed_v<Semantics>)  // DataParallel: the shard moves to its device
@@ -391,17 +399,19 @@ class parallel {
           if (i != 0)
             for (tensor_ref const& g : self.rs_.grads[i]) Backend::immediate::zero(g);
         self.started_[i] = profile_clock::now();
+        if (self.contracts_.on()) self.contracts_.fill_device(self.rs_, i);
         detail::shard_scope<Model> bound(m, self.ctx_[i]);  // model_traits<Model>::begin_shard / end_shard
         if constexpr (returns_value) {
           auto& out = f->scratch->outs[i];
-          if constexpr (detail::step_with_context<F, Model, shard_type>) out.emplace(step_fn(m, std::move(shard), self.ctx_[i]));
-          else out.emplace(step_fn(m, std::move(shard)));
+          if constexpr (detail::step_with_context<F, Model, shard_type>) out.emplace(fn(m, std::move(shard), self.ctx_[i]));
+          else out.emplace(fn(m, std::move(shard)));
         } else {
-          if constexpr (detail::step_with_context<F, Model, shard_type>) step_fn(m, std::move(shard), self.ctx_[i]);
-          else step_fn(m, std::move(shard));
+          if constexpr (detail::step_with_context<F, Model, shard_type>) fn(m, std::move(shard), self.ctx_[i]);
+          else fn(m, std::move(shard));
         }
         bound.close();
         self.ended_[i] = profile_clock::now();
+        if (self.contracts_.on()) self.contracts_.after_step(self.rs_, i);
       });
     }
     reduce_.finish(rs_);
@@ -502,6 +512,7 @@ class parallel {
 
   static void ready_trampoline(void* self, int replica, std::size_t param) {
     auto* p = static_cast<parallel*>(self);
+    if (p->contracts_.on()) p->contracts_.on_ready(p->rs_, static_cast<std::size_t>(replica), param);
     p->reduce_.grad_ready(p->rs_, replica, param);
   }
 
@@ -511,6 +522,8 @@ class parallel {
   reduce_type reduce_{};
   scatter_type scatter_{};
   detail::join_control join_;  // DDP: uneven inputs and sample weighting (policy/join.hpp)
+  detail::step_agreement agreement_;  // DDP under desync detection: batch sizes, sampler epochs
+  detail::contract_check<Model, Backend> contracts_;  // options::check_contracts (core/contract_check.hpp)
   // Per-step scratch kept across steps: each device's step_context, and the output slots (their
   // type depends on the step function's output, see run_step).
   std::vector<step_context> ctx_;

@@ -91,6 +91,7 @@ class communicator_interface {
   virtual void hold() = 0;
   virtual void release() = 0;
   [[nodiscard]] virtual bool coalesces_in_place() const = 0;
+  [[nodiscard]] virtual bool detects_desync() const = 0;
   virtual work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op) = 0;
   virtual work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op) = 0;
   virtual work all_gather_coalesced(std::span<tensor_ref const> tensors) = 0;
@@ -155,6 +156,10 @@ class communicator_model final : public communicator_interface {
     c.all_gather_coalesced(t);
   };
   [[nodiscard]] bool coalesces_in_place() const override { return lists; }
+  [[nodiscard]] bool detects_desync() const override {
+    if constexpr (requires { c_->detects_desync(); }) return c_->detects_desync();
+    else return false;
+  }
   std::shared_ptr<std::byte> allocate(std::size_t bytes) override {
     if constexpr (requires { { c_->allocate(bytes) } -> std::same_as<std::shared_ptr<std::byte>>; }) {
       if (auto p = c_->allocate(bytes)) return p;
@@ -289,6 +294,10 @@ class process_group {
   /// of tensors as one array without a buffer of its own (the host engine of thread ranks reads
   /// them in place; the shared-memory engine copies them into its segment and the results out).
   [[nodiscard]] bool coalesces_in_place() const { return get().coalesces_in_place(); }
+  /// Whether the group compares every rank's collectives before running them (desync detection,
+  /// comm/desync.hpp): DDP then also checks, each step, that the ranks step alike (batch sizes,
+  /// sampler epochs).
+  [[nodiscard]] bool detects_desync() const { return get().detects_desync(); }
   /// all_reduce of `tensors` read as one array (their elements one after the other), in place: the
   /// same results, bit for bit, as an all_reduce of a buffer holding them. Every rank's array has
   /// the same number of elements of one dtype, cut into tensors as each rank likes: it matches a

@@ -190,6 +190,9 @@ class desync_detector {
   /// Aborts the wrapped group: every pending and future wait of every rank fails.
   void abort(std::string why) { inner_.abort(std::move(why)); }
 
+  /// True: DDP over this group checks each step that the ranks step alike (core/rank_checks.hpp).
+  [[nodiscard]] bool detects_desync() const noexcept { return true; }
+
   /// The wrapped group's timeout.
   [[nodiscard]] std::chrono::milliseconds timeout() const { return inner_.timeout(); }
   /// Sets the wrapped group's timeout.

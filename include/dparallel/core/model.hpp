@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <ranges>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -95,6 +96,20 @@ concept member_parameter_shapes = requires(M& m) {
 template <class M>
 concept traits_parameter_shapes = requires(M& m) {
   { model_traits<M>::parameter_shapes(m) } -> shape_range;
+};
+
+/// A range of things that convert to std::string_view (const char*, std::string, ...): what
+/// parameter_names() / buffer_names() return (state dicts record them; errors name parameters by them).
+template <class R>
+concept name_range =
+    std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, std::string_view>;
+template <class M>
+concept member_parameter_names = requires(M& m) {
+  { m.parameter_names() } -> name_range;
+};
+template <class M>
+concept traits_parameter_names = requires(M& m) {
+  { model_traits<M>::parameter_names(m) } -> name_range;
 };
 
 struct parameters_fn {
@@ -325,6 +340,21 @@ inline void verify_gradient_memory(std::vector<tensor_ref> const& p, std::vector
                          "gradients (the reduction would sum into the wrong place): make gradients() return views "
                          "of distinct storage");
 }
+
+/// How errors name parameter `i` of `m`: "`fc2.bias`" when the model names its parameters
+/// (parameter_names(), as a member or in model_traits<M>), else "3". Built on the error path only.
+template <class M>
+std::string parameter_label(M& m, std::size_t i) {
+  auto const pick = [&](auto&& names) -> std::string {
+    std::size_t k = 0;
+    for (auto&& n : names)
+      if (k++ == i) return "`" + std::string(std::string_view(n)) + "`";
+    return std::to_string(i);
+  };
+  if constexpr (member_parameter_names<M>) return pick(m.parameter_names());
+  else if constexpr (traits_parameter_names<M>) return pick(model_traits<M>::parameter_names(m));
+  else return std::to_string(i);
+}
 }  // namespace detail
 
 /// Throws invalid_argument unless every gradient matches its parameter in size and dtype and has
@@ -337,11 +367,11 @@ void verify_model(M& m, std::string const& where) {
                                             std::to_string(p.size()) + " parameters and " +
                                             std::to_string(g.size()) + " gradients");
   for (std::size_t i = 0; i < p.size(); ++i) {
-    detail::require(p[i].size() == g[i].size() && p[i].dtype() == g[i].dtype(),
-                    where + ": gradient " + std::to_string(i) + " does not match its parameter: expected " +
-                        std::to_string(p[i].size()) + " elements of " + std::string(name_of(p[i].dtype())) +
-                        ", found " + std::to_string(g[i].size()) + " elements of " +
-                        std::string(name_of(g[i].dtype())));
+    detail::require(p[i].size() == g[i].size() && p[i].dtype() == g[i].dtype(), [&] {
+      return where + ": gradient " + detail::parameter_label(m, i) + " does not match its parameter: expected " +
+             std::to_string(p[i].size()) + " elements of " + std::string(name_of(p[i].dtype())) + ", found " +
+             std::to_string(g[i].size()) + " elements of " + std::string(name_of(g[i].dtype()));
+    });
   }
   detail::verify_gradient_memory(p, g, where);
 }

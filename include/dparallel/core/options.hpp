@@ -82,11 +82,23 @@ struct options {
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
 
   // --- Diagnostics ---
-  /// Where the wrapper's warnings go, one line each (no trailing newline); at present the one
-  /// warning is DataParallel's, at construction, about devices that differ by more than 25% in
-  /// memory or multiprocessors (backends that describe their devices only). An empty function
-  /// silences them.
+  /// Where the wrapper's warnings go, one line each (no trailing newline): DataParallel's, at
+  /// construction, about devices that differ by more than 25% in memory or multiprocessors
+  /// (backends that describe their devices only), and DDP's under desync detection, once, about
+  /// ranks feeding different batch sizes. An empty function silences them.
   std::function<void(std::string_view)> warning_sink = warn_to_stderr;
+  /// Contract checking, a debug mode: true or false turns it on or off; left empty, the
+  /// environment variable DPARALLEL_CHECK_CONTRACTS decides (on when set to anything but 0), so a
+  /// whole run can be checked without changing code. Just before each step function its replica's
+  /// gradients are filled: one that is not zero with a NaN pattern (it must be overwritten: an
+  /// element left is an error naming the parameter, the elements and the device or rank), one of
+  /// zeros with -0.0 (it may be added into: a step that writes none of them is an error). It
+  /// catches a model trained as a copy (taken by value), a gradient written in part or added into
+  /// without zeroing, and DataParallel replicas sharing gradient memory. It costs a few passes over
+  /// every gradient per step; off, nothing (see core/contract_check.hpp). A step function that
+  /// writes no gradient on purpose (a forward pass only) fails with it on: give such a wrapper
+  /// check_contracts = false.
+  std::optional<bool> check_contracts{};
 };
 
 DPARALLEL_NAMESPACE_END

@@ -4,12 +4,15 @@
 //   PyTorch compares shapes: [4, 6] on one rank and [6, 4] on another hold as many elements but
 //   would average transposed layouts;
 // - no two live DDP wrappers of one process share parameter memory: thread ranks that wrap the
-//   SAME model object (built before spawn) would each apply every update.
+//   SAME model object (built before spawn) would each apply every update;
+// - under desync detection, every step: the ranks' batch sizes and sampler epochs (step_agreement).
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/core/epoch_note.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
+#include <dparallel/core/options.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
 
@@ -127,7 +130,7 @@ class parameter_registry {
     }
     auto it = entries_.insert(entries_.end(), entry{std::move(params), rank});
     return handle(nullptr, [this, it](void*) {
-      std::lock_guard lock(m_);
+      std::lock_guard held(m_);
       entries_.erase(it);
     });
   }
@@ -136,6 +139,91 @@ class parameter_registry {
   std::mutex m_;
   std::list<entry> entries_;
 };
+
+/// DDP under desync detection (process_group::detects_desync): each step, before its other
+/// collectives, the ranks all-gather their batch size and their sampler's epoch (the thread's last
+/// distributed_sampler epoch, core/epoch_note.hpp). Different epochs are an error on every rank (a
+/// rank that forgot set_epoch reads the previous epoch's order again: samples read twice, others
+/// never); different batch sizes, averaged with equal weights as PyTorch does but almost always a
+/// mistake, are one warning through options::warning_sink (not with average_mode::samples, which
+/// weighs them). Off without desync detection, and with options::uneven_inputs (joined ranks run
+/// other collectives).
+class step_agreement {
+ public:
+  /// At construction: whether to check.
+  template <class Set>
+  void enable(Set const& s) {
+    on_ = s.group.detects_desync() && s.world_size() > 1 && !s.opts.uneven_inputs;
+  }
+  /// Before a step's collectives, on every rank: exchanges and compares.
+  template <class Set>
+  void check(Set& s) {
+    if (!on_) return;
+    auto const world = static_cast<std::size_t>(s.world_size());
+    mine_.assign({static_cast<std::int64_t>(s.batch), static_cast<std::int64_t>(sampler_epoch_note())});
+    all_.resize(2 * world);
+    s.group.all_gather(view(all_), view(mine_)).wait();
+    bool epochs_differ = false, batches_differ = false;
+    std::int64_t known = 0;
+    for (std::size_t r = 0; r < world; ++r) {
+      batches_differ = batches_differ || all_[2 * r] != all_[0];
+      std::int64_t const e = all_[2 * r + 1];
+      if (e == 0) continue;  // no sampler on that rank's thread
+      epochs_differ = epochs_differ || (known != 0 && e != known);
+      known = e;
+    }
+    if (epochs_differ)
+      throw invalid_argument("dparallel: DDP on rank " + std::to_string(s.rank()) +
+                             ": the ranks' samplers are on different epochs (" + listing(world, 1, true) +
+                             "); a rank that does not call distributed_sampler::set_epoch(epoch) reads the previous "
+                             "epoch's order again, so some samples are read twice and others never: call it on every "
+                             "rank, with the same epoch, before each epoch");
+    if (batches_differ && !warned_ && s.opts.average == average_mode::ranks && s.opts.warning_sink) {
+      warned_ = true;
+      s.opts.warning_sink("DDP on rank " + std::to_string(s.rank()) + ": the ranks feed different batch sizes (" +
+                          listing(world, 0, false) +
+                          "); their gradients are averaged with equal weights, as PyTorch does, so a sample of a "
+                          "smaller batch weighs more: give every rank the same batch size, or set "
+                          "options::average = average_mode::samples (said once)");
+    }
+  }
+
+ private:
+  std::string listing(std::size_t world, std::size_t field, bool epoch) const {
+    std::string out;
+    for (std::size_t r = 0; r < world; ++r) {
+      std::int64_t const v = all_[2 * r + field];
+      out += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": ";
+      if (!epoch) out += std::to_string(v) + " samples";
+      else out += v == 0 ? std::string("no sampler") : "epoch " + std::to_string(v - 1);
+    }
+    return out;
+  }
+
+  bool on_ = false;
+  bool warned_ = false;
+  std::vector<std::int64_t> mine_, all_;
+};
+
+/// Runs DDP's construction collectives (`collectives`): a failure among them (a rank that never
+/// built its wrapper, or built it at another point of the program) is raised again, of the same
+/// type and naming the same rank, as the constructor's failure rather than as the collective's.
+template <class F>
+void as_ddp_constructor(int rank, F&& collectives) {
+  auto const context = [rank](char const* what) {
+    return "dparallel: DDP's constructor (distributed_data_parallel(model, group)) on rank " + std::to_string(rank) +
+           " failed in the collectives that compare the ranks' models and broadcast rank 0's: every rank must "
+           "construct its DDP wrapper, at the same point of the program; " +
+           without_prefix(what);
+  };
+  try {
+    collectives();
+  } catch (timeout_error const& e) {
+    throw timeout_error(e.rank(), context(e.what()));
+  } catch (comm_error const& e) {
+    throw comm_error(e.rank(), context(e.what()));
+  }
+}
 
 }  // namespace detail
 DPARALLEL_NAMESPACE_END

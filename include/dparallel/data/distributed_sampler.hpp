@@ -22,6 +22,7 @@
 // splitmix64; detail::splitmix_permutation). seed + epoch is computed modulo 2^64.
 
 #include <dparallel/config.hpp>
+#include <dparallel/core/epoch_note.hpp>
 #include <dparallel/core/error.hpp>
 
 #include <concepts>
@@ -193,6 +194,7 @@ class distributed_sampler {
     auto const n = static_cast<std::size_t>(num_replicas);
     num_samples_ = options_.drop_last ? dataset_size / n : dataset_size / n + (dataset_size % n != 0 ? 1 : 0);
     compute_indices();
+    detail::sampler_epoch_note() = 1;  // epoch 0
   }
 
   /// Rank and number of ranks taken from `r` (r.rank(), r.world_size()).
@@ -203,6 +205,7 @@ class distributed_sampler {
   /// Selects the epoch whose order is used (seed + epoch seeds the shuffle). Call it with the
   /// same value on every rank before each epoch; without it every epoch has the same order.
   void set_epoch(std::uint64_t epoch) {
+    detail::sampler_epoch_note() = epoch + 1;  // DDP compares it across ranks under desync detection
     if (epoch == epoch_) return;
     epoch_ = epoch;
     start_ = 0;

@@ -68,19 +68,6 @@ DPARALLEL_NAMESPACE_BEGIN
 
 namespace detail {
 
-/// A range of things that convert to std::string_view (const char*, std::string, ...).
-template <class R>
-concept name_range =
-    std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, std::string_view>;
-
-template <class M>
-concept member_parameter_names = requires(M& m) {
-  { m.parameter_names() } -> name_range;
-};
-template <class M>
-concept traits_parameter_names = requires(M& m) {
-  { model_traits<M>::parameter_names(m) } -> name_range;
-};
 template <class M>
 concept member_buffer_names = requires(M& m) {
   { m.buffer_names() } -> name_range;

@@ -116,6 +116,23 @@ void add_to(checkpoint& ckpt, optimizer<R, B>& opt, X& model_or_wrapper) {
   for (auto& t : state_dict(opt, model_or_wrapper)) ckpt.add(std::move(t.name), t.data, std::move(t.shape));
 }
 
+namespace detail {
+template <class>
+inline constexpr bool not_an_optimizer = false;
+}  // namespace detail
+
+/// Any other optimizer type: a compile-time error that names the way to save it. A ZeRO-1
+/// optimizer (zero_redundancy_optimizer) holds only this rank's shard of the state, which a
+/// checkpoint of whole tensors cannot hold.
+template <class Opt, class X>
+void add_to(checkpoint&, Opt&, X&) {
+  static_assert(detail::not_an_optimizer<Opt>,
+                "dparallel: optim::add_to takes an optim::optimizer; a zero_redundancy_optimizer (ZeRO-1) keeps only "
+                "this rank's shard of the state: save it with optim::save_zero_state(path, opt, mode) and load it "
+                "with optim::load_zero_state(path, opt) (<dparallel/optim/zero_checkpoint.hpp>), beside the "
+                "checkpoint");
+}
+
 }  // namespace optim
 
 DPARALLEL_NAMESPACE_END

@@ -8,6 +8,7 @@
 #include <dparallel/core/buckets.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/gradient_memory.hpp>
+#include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/policy/comm_hook.hpp>
@@ -160,7 +161,7 @@ class bucketed_reduce {
       throw invalid_argument("dparallel: grad_ready: expected a parameter index below " +
                              std::to_string(ready_.size()) + ", found " + std::to_string(i));
     if (ready_[i])
-      throw invalid_argument("dparallel: grad_ready: parameter " + std::to_string(i) +
+      throw invalid_argument("dparallel: grad_ready: parameter " + detail::parameter_label(*s.models[0], i) +
                              " was marked ready twice in one step (rank " + std::to_string(s.group.rank()) + ")");
     used_hook_ = true;
     mark(s, i, false);
@@ -412,7 +413,8 @@ class bucketed_reduce {
         if (!ready_[i]) unused.push_back(i);
       if (!unused.empty() && !s.opts.find_unused_parameters) {
         std::string list;
-        for (std::size_t k = 0; k < unused.size() && k < 16; ++k) list += (k ? ", " : "") + std::to_string(unused[k]);
+        for (std::size_t k = 0; k < unused.size() && k < 16; ++k)
+          list += (k ? ", " : "") + detail::parameter_label(*s.models[0], unused[k]);
         if (unused.size() > 16) list += ", ...";
         throw invalid_argument("dparallel: DDP on rank " + std::to_string(s.group.rank()) +
                                ": the step called grad_ready() but never for parameter(s) " + list +

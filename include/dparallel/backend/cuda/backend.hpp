@@ -176,6 +176,13 @@ struct backend {
     static void zero(tensor_ref dst) { cuda::zero(current_stream(), current_device(), dst); }
   };
 
+  /// The contract check's read (core/contract_check.hpp, options::check_contracts): `dst` (host
+  /// memory) = `src`, on the calling thread's current stream (a step function's), waited for.
+  static void read_to_host(tensor_ref dst, tensor_ref src) {
+    cuda::copy(current_stream(), current_device(), dst, src);
+    cuda::check(cudaStreamSynchronize(current_stream()), "cudaStreamSynchronize", current_device());
+  }
+
   /// `bytes` zeroed bytes of `d`'s GPU memory (bucket storage), zeroed on the calling thread's
   /// stream when it runs work of `d`'s GPU, else zeroed and waited for (cuda::allocate).
   static std::shared_ptr<std::byte> allocate(device d, std::size_t bytes) {
