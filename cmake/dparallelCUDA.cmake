@@ -4,18 +4,23 @@
 # are found (DPARALLEL_CUDA=AUTO), required with ON, skipped with OFF; dparallel::dparallel never
 # needs them. Defines DPARALLEL_HAVE_CUDA / DPARALLEL_HAVE_NCCL (TRUE/FALSE).
 #
-# CMAKE_CUDA_ARCHITECTURES defaults to 75;80;86;89;90 (Turing to Hopper) when not set.
+# CMAKE_CUDA_ARCHITECTURES defaults to 75;80;86;89;90 (Turing to Hopper) when not set. The headers
+# need CUDA 12.5 or newer (cudaGetDriverEntryPointByVersion): an older toolkit is an error with ON
+# and a warning (add-ons skipped) with AUTO.
 include_guard(GLOBAL)
 
-# As a subproject (add_subdirectory, FetchContent) the default is OFF: the consumer's project gets
-# no CUDA language, no NCCL probe and no CMAKE_CUDA_ARCHITECTURES unless it sets DPARALLEL_CUDA.
-if(PROJECT_IS_TOP_LEVEL)
+# As a subproject (add_subdirectory, FetchContent) the default is AUTO when the consumer's project
+# has enabled the CUDA language before adding dparallel (project(... LANGUAGES CXX CUDA) or
+# enable_language(CUDA)), else OFF: a project without CUDA gets no CUDA language, no NCCL probe and
+# no CMAKE_CUDA_ARCHITECTURES unless it sets DPARALLEL_CUDA.
+get_property(_dparallel_languages GLOBAL PROPERTY ENABLED_LANGUAGES)
+if(PROJECT_IS_TOP_LEVEL OR "CUDA" IN_LIST _dparallel_languages)
   set(_dparallel_cuda_default AUTO)
 else()
   set(_dparallel_cuda_default OFF)
 endif()
 set(DPARALLEL_CUDA ${_dparallel_cuda_default} CACHE STRING
-    "Build the CUDA/NCCL add-ons: AUTO (when found), ON (required), OFF (default as a subproject)")
+    "Build the CUDA/NCCL add-ons: AUTO (when found), ON (required), OFF (default as a subproject of a project without CUDA)")
 set_property(CACHE DPARALLEL_CUDA PROPERTY STRINGS AUTO ON OFF)
 set(DPARALLEL_HAVE_CUDA FALSE)
 set(DPARALLEL_HAVE_NCCL FALSE)
@@ -54,6 +59,11 @@ enable_language(CUDA)
 find_package(CUDAToolkit)
 if(NOT CUDAToolkit_FOUND)
   _dparallel_cuda_missing("the CUDA toolkit" "")
+endif()
+include("${CMAKE_CURRENT_LIST_DIR}/dparallelCUDAVersion.cmake")
+dparallel_check_cuda_version("${CUDAToolkit_VERSION}" "${CUDAToolkit_BIN_DIR}" "${DPARALLEL_CUDA}" _dparallel_cuda_ok)
+if(NOT _dparallel_cuda_ok)
+  return()
 endif()
 
 add_library(dparallel_cuda INTERFACE)

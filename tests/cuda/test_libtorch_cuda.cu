@@ -3,7 +3,10 @@
 // on dparallel's stream of the shard's lane; DataParallel over 2 lanes of one GPU, and DDP on NCCL
 // at world size 1, give the parameters of the same module trained on the GPU by libtorch alone,
 // with the optimizer's updates issued on libtorch's default stream behind a busy kernel between
-// steps (what cuda::backend::begin_step orders the step after). Without a GPU: skipped (77).
+// steps (what cuda::backend::begin_step orders the step after); the gradient accumulators the
+// adapter makes run on dparallel's stream, and accumulators made before on libtorch's default
+// stream, held there behind a busy kernel, are waited for before DDP stages its bucket. Without a
+// GPU: skipped (77).
 #include <dparallel/adapters/libtorch.hpp>  // first: the adapter's header compiles on its own
 
 #include <dparallel/backend/cuda/backend.hpp>
@@ -119,15 +122,23 @@ TEST_CASE("libtorch on CUDA: the step function runs on dparallel's stream of its
   Net m = initial();
   dpl::parallel<Net, dpl::dp, gpu> dp(m, dpl::cuda::logical_devices(2, 0));
   // Catch2 is not thread-safe: the lanes' threads record, this thread checks.
-  std::vector<int> same(2, -1);
+  std::vector<int> same(2, -1), accumulates_on_it(2, -1);
   std::vector<cudaStream_t> seen(2, nullptr);
   dp.step(batch_of(0), [&](Net& r, batch_t b, dpl::step_context& ctx) {
     auto const i = static_cast<std::size_t>(ctx.replica());
     seen[i] = c10::cuda::getCurrentCUDAStream(0).stream();
     same[i] = seen[i] == dpl::cuda::current_stream() ? 1 : 0;
+    // Autograd accumulates into .grad on its accumulator's stream: the adapter made it under the
+    // guard, so it is the lane's stream too.
+    bool all = true;
+    for (auto const& p : r->parameters())
+      all = all && torch::autograd::impl::grad_accumulator(p)->input_metadata(0).stream() ==
+                       c10::cuda::getCurrentCUDAStream(0).unwrap();
+    accumulates_on_it[i] = all ? 1 : 0;
     step_fn(r, std::move(b));
   });
   CHECK(same == std::vector<int>{1, 1});
+  CHECK(accumulates_on_it == std::vector<int>{1, 1});
   CHECK(seen[0] != seen[1]);  // each lane its own stream
   // Outside a step libtorch's current stream is its own again.
   CHECK(c10::cuda::getCurrentCUDAStream(0).stream() != seen[0]);
@@ -166,6 +177,37 @@ TEST_CASE("libtorch on CUDA: DDP on NCCL (world size 1) equals libtorch alone af
   std::vector<batch_t> const batches = all_batches();
   for (int s = 0; s < steps; ++s) {
     ddp.step(batches[static_cast<std::size_t>(s)], step_fn);
+    late_update(opt);
+  }
+  CHECK(relative(flat(m), ref) <= 1e-9);
+}
+
+TEST_CASE("libtorch on CUDA: DDP's buckets read .grad after autograd's accumulation on another, slower stream",
+          "[libtorch][cuda][ddp]") {
+  // Accumulators made outside any step, so on libtorch's default stream, and held (as a graph the
+  // caller keeps would hold them): the adapter uses them as they are. In every step those
+  // accumulations queue behind about 20 ms of busy GPU on that stream, while the readiness hooks
+  // stage the gradients into DDP's bucket on dparallel's non-blocking stream during backward. A
+  // staging copy that did not wait would read the zeroed gradients, and the bucket's write-back
+  // after the step (which PyTorch's end-of-backward sync orders after the accumulations) would put
+  // zeros into .grad: the parameters would not move.
+  torch::Tensor const ref = one_device();
+  dpl::device const gpu0{dpl::device_kind::cuda, 0, 0};
+  auto group = dpl::nccl::make_groups({gpu0}).at(0);
+  Net m = initial();
+  dpl::parallel<Net, dpl::ddp, gpu> ddp(m, group, {.local_device = gpu0});
+  std::vector<dpl::libtorch::detail::accumulator_ptr> held;
+  for (auto const& p : m->parameters()) held.push_back(torch::autograd::impl::grad_accumulator(p));
+  for (auto const& a : held) REQUIRE(a->input_metadata(0).stream() == c10::cuda::getDefaultCUDAStream(0).unwrap());
+  cudaStream_t const libtorch_default = c10::cuda::getDefaultCUDAStream(0).stream();
+  torch::optim::SGD opt(m->parameters(), lr);
+  std::vector<batch_t> const batches = all_batches();
+  for (int s = 0; s < steps; ++s) {
+    ddp.step(batches[static_cast<std::size_t>(s)], [&](Net& r, batch_t b) {
+      spin<<<1, 1, 0, libtorch_default>>>(30'000'000);
+      dpl::cuda::check(cudaGetLastError(), "spin");
+      step_fn(r, std::move(b));
+    });
     late_update(opt);
   }
   CHECK(relative(flat(m), ref) <= 1e-9);

@@ -11,6 +11,10 @@
 #   [-DMPI=ON]: also build the consumer's MPI program (tests/packaging/consumer/mpi_main.cpp),
 #   linking dparallel::mpi from a project that never looks for MPI itself, and run it as one
 #   process (add_subdirectory and fetch_content)
+#   [-DCUDA_COMPILER=<nvcc> -DCUDA_ARCHITECTURES=<list> -DNCCL_INCLUDE_DIR=<dir> -DNCCL_LIBRARY=<file>]:
+#   the consumer is a CUDA project (DPARALLEL_CONSUME_CUDA=ON: cuda_main.cu; add_subdirectory and
+#   fetch_content). Its program exits 77 without a GPU: the test then passes on the build alone,
+#   unless the environment variable DPARALLEL_REQUIRE_GPU is set (scripts/gpu-check sets it).
 foreach(var MODE SOURCE_DIR CONSUMER_DIR WORK_DIR CXX_COMPILER)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
     message(FATAL_ERROR "consume.cmake: -D${var}=... is required")
@@ -42,6 +46,10 @@ endif()
 # Configure arguments every CMake project in this test gets.
 set(common_args ${generator_args} "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${CONFIG}"
     -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF)
+if(CUDA_COMPILER)
+  list(APPEND common_args -DDPARALLEL_CONSUME_CUDA=ON "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}" "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}"
+       "-DNCCL_INCLUDE_DIR=${NCCL_INCLUDE_DIR}" "-DNCCL_LIBRARY=${NCCL_LIBRARY}")
+endif()
 set(torch_args)
 if(TORCH_DIR)
   set(torch_args -DDPARALLEL_CONSUME_TORCH=ON "-DTorch_DIR=${TORCH_DIR}")
@@ -58,6 +66,17 @@ function(run_consumer build_dir)
   foreach(candidate "${build_dir}/consumer" "${build_dir}/${CONFIG}/consumer" "${build_dir}/consumer.exe"
                     "${build_dir}/${CONFIG}/consumer.exe")
     if(EXISTS "${candidate}" AND NOT IS_DIRECTORY "${candidate}")
+      if(CUDA_COMPILER)
+        execute_process(COMMAND "${candidate}" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+        if(rc EQUAL 77 AND NOT DEFINED ENV{DPARALLEL_REQUIRE_GPU})
+          message(STATUS "[${MODE}] the CUDA consumer built; not run: ${out}")
+          return()
+        elseif(NOT rc EQUAL 0)
+          message(FATAL_ERROR "[${MODE}] running the CUDA consumer failed (${rc}).\nOutput:\n${out}")
+        endif()
+        message(STATUS "[${MODE}] running the CUDA consumer: OK\n${out}")
+        return()
+      endif()
       run("running the consumer" "${candidate}")
       message(STATUS "[${MODE}] ${last_output}")
       # The optional programs sit beside it: consumer_torch, consumer_mpi.

@@ -28,8 +28,8 @@
 //   torch::nn::Cloneable<Impl> (every built-in module does).
 // - Readiness: a post hook on each parameter's gradient accumulator (the autograd node that adds
 //   a leaf's gradient into .grad) calls step_context::grad_ready once the gradient is
-//   accumulated, so DDP reduces its buckets while backward goes on. The hooks are installed once
-//   per module and bound to the running step only between begin_shard and end_shard; before each
+//   accumulated, so DDP reduces its buckets while backward goes on. The hooks are attached at
+//   begin_shard and detached at end_shard (a backward outside a step reports to nothing); before each
 //   shard the gradients are zeroed, so the step function is ordinary `loss.backward()` code that
 //   leaves the gradient of its shard's mean loss (one backward per step).
 // - CUDA (when compiled with DPARALLEL_LIBTORCH_CUDA, which the dparallel::libtorch target sets
@@ -257,18 +257,19 @@ struct model_traits<M> {
   static void follow_master(M& r, M& master) {
     libtorch::detail::follow_requires_grad(libtorch::detail::module_of(r), libtorch::detail::module_of(master));
   }
-  /// Before the step function runs on replica `m`: hooks installed (once) and bound to `ctx`,
-  /// gradients zeroed in place (and kept, see restore_gradient), frozen parameters' zeros marked
-  /// ready, and on CUDA dparallel's stream made libtorch's current stream.
+  /// Before the step function runs on replica `m`: on CUDA dparallel's stream made libtorch's
+  /// current stream, hooks installed and bound to `ctx`, gradients zeroed in place (and kept, see
+  /// restore_gradient), frozen parameters' zeros marked ready.
   static void begin_shard(M& m, step_context& ctx) {
     auto& mod = libtorch::detail::module_of(m);
     auto const s = libtorch::detail::hooks_of(mod);
-    libtorch::detail::install_hooks(mod, s);
 #if defined(DPARALLEL_LIBTORCH_CUDA)
     // CUDA rule: the model's kernels must go to the stream dparallel orders NCCL and the
     // reductions on; inside a step that is cuda::current_stream() of the device's logical stream.
     // First, so that the zeroing below is on it too (on another stream it could land after
-    // backward's first accumulation: dparallel's streams are non-blocking).
+    // backward's first accumulation: dparallel's streams are non-blocking), and so that the
+    // gradient accumulators install_hooks makes take it as their stream: autograd accumulates
+    // into .grad on the stream that was current when the accumulator was made.
     if (ctx.device().kind == device_kind::cuda) {
       s->stream_guard.emplace(c10::cuda::getStreamFromExternal(cuda::current_stream(),
                                                                static_cast<c10::DeviceIndex>(ctx.device().index)));
@@ -276,6 +277,7 @@ struct model_traits<M> {
     }
 #endif
     try {
+      libtorch::detail::install_hooks(mod, s);
       torch::NoGradGuard const no_grad;
       for (std::size_t i = 0; i < s->params.size(); ++i) {
         at::Tensor const& p = s->params[i];
@@ -319,6 +321,7 @@ struct model_traits<M> {
  private:
   static void unbind(libtorch::detail::hook_state& s) noexcept {
     s.ctx.store(nullptr, std::memory_order_release);
+    libtorch::detail::remove_hooks(s);
 #if defined(DPARALLEL_LIBTORCH_CUDA)
     s.stream_guard.reset();
     s.shard_current = {};

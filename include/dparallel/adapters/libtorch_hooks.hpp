@@ -12,7 +12,10 @@
 
 #if defined(DPARALLEL_LIBTORCH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <dparallel/backend/cuda/device.hpp>
+#include <dparallel/backend/cuda/error.hpp>
 #endif
 
 #include <atomic>
@@ -29,16 +32,26 @@
 DPARALLEL_NAMESPACE_BEGIN
 namespace libtorch::detail {
 
+/// A parameter's gradient accumulator as autograd hands it out: std::shared_ptr<Node> in older
+/// libtorch releases (1.13), c10::intrusive_ptr<Node> in recent ones (2.15).
+using accumulator_ptr = decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor const&>()));
+
 /// What the hooks of one module share: the step they report to (null outside a step), the
-/// gradient accumulators they are attached to (kept alive here, as autograd holds them weakly),
-/// and, per parameter, the gradient dparallel reads during the step and a frozen parameter's own.
+/// gradient accumulators they are attached to during a shard (kept alive here, as autograd holds
+/// them weakly), and, per parameter, the gradient dparallel reads during the step and a frozen
+/// parameter's own.
 struct hook_state {
+  hook_state() = default;
+  hook_state(hook_state const&) = delete;
+  hook_state& operator=(hook_state const&) = delete;
+  ~hook_state();
+
   std::atomic<step_context*> ctx{nullptr};
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // per parameter; null when frozen
-  std::vector<std::uintptr_t> keys;                                  // the post hooks, for del_post_hook
-  std::vector<at::Tensor> params;                                    // the parameters hooked
-  std::vector<std::string> names;                                    // and their names
-  std::vector<char> trainable;                                       // requires_grad() when hooked
+  std::vector<accumulator_ptr> accumulators;  // per parameter during a shard; null when frozen
+  std::vector<std::uintptr_t> keys;           // the post hooks, for del_post_hook
+  std::vector<at::Tensor> params;             // the parameters hooked
+  std::vector<std::string> names;             // and their names
+  std::vector<char> trainable;                // requires_grad() when hooked
   // Per parameter, from begin_shard to the next: the .grad dparallel's views point at (kept alive
   // here, so a step function that drops it cannot free the memory a reduction reads), and whether
   // autograd's hook has reported it ready in this step.
@@ -49,8 +62,46 @@ struct hook_state {
 #if defined(DPARALLEL_LIBTORCH_CUDA)
   std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
   cuda::detail::current_state shard_current{};  // dparallel's current stream of the bound shard
+  // Per parameter, made on first use: recorded after autograd's accumulation into .grad when that
+  // ran on another stream than the shard's, and waited for by the shard's stream.
+  std::vector<cudaEvent_t> accumulated;
 #endif
 };
+
+inline hook_state::~hook_state() {
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+  for (cudaEvent_t e : accumulated)
+    if (e != nullptr) (void)cudaEventDestroy(e);
+#endif
+}
+
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+/// Orders the work dparallel launches next on the shard's stream after autograd's accumulation of
+/// parameter `i`'s gradient into .grad (and restore_gradient's copy). Called in the accumulator's
+/// post hook, where the accumulation was just issued on the accumulator's stream, which autograd's engine makes the
+/// current stream while it runs the node and its post hooks (Engine::evaluate_function guards on
+/// Node::stream(): the stream of the node's input metadata, i.e. the stream that was current on
+/// the parameter's device when the accumulator was made). The adapter makes the accumulators
+/// with the shard's stream current, so the two are one stream and nothing is needed; an
+/// accumulator made before (held by a graph the caller kept, or by the caller) runs on the
+/// stream of its time, unordered with dparallel's non-blocking stream (CUDA Runtime API, "stream
+/// synchronization behavior"): an event recorded there is waited for by the shard's stream.
+inline void follow_accumulation(hook_state& s, std::size_t i) {
+  at::Tensor const& p = s.params[i];
+  if (!p.is_cuda() || !s.shard_current.set) return;
+  c10::cuda::CUDAGuard const on(p.device());
+  cudaStream_t const accumulation = c10::cuda::getCurrentCUDAStream(p.device().index()).stream();
+  cudaStream_t const shard = s.shard_current.stream;
+  if (accumulation == shard || i >= s.accumulated.size()) return;  // sized by install_hooks
+  device const where{device_kind::cuda, p.device().index(), 0};
+  cudaEvent_t& e = s.accumulated[i];
+  if (e == nullptr) cuda::check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags", where);
+  // Recording again is safe: a wait made earlier captured the event as it was then (CUDA Runtime
+  // API, cudaStreamWaitEvent: "uses the most recent call to cudaEventRecord").
+  cuda::check(cudaEventRecord(e, accumulation), "cudaEventRecord", where);
+  cuda::check(cudaStreamWaitEvent(shard, e, 0), "cudaStreamWaitEvent", where);
+}
+#endif
 
 /// If the step function dropped or replaced parameter `i`'s .grad (zero_grad(set_to_none), an
 /// assignment), makes the tensor dparallel's views point at its .grad again, with the gradient the
@@ -94,11 +145,14 @@ class ready_hook final : public torch::autograd::FunctionPostHook {
         // Autograd runs the backward of CUDA tensors on a thread of its own per GPU, not on the
         // step's thread (the step's thread waits in backward() meanwhile). The reducer launches
         // its copies and collectives on dparallel's current stream of the calling thread, so the
-        // shard's is made current here for the call (its kernels then follow the gradient's).
+        // shard's is made current here for the call, ordered after the accumulation first.
         std::optional<cuda::detail::current_scope> borrowed;
         if (s->shard_current.set) borrowed.emplace(s->shard_current);
 #endif
         restore_gradient(*s, index_);  // before the reduction reads it
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+        follow_accumulation(*s, index_);
+#endif
         s->marked[index_] = 1;
         c->grad_ready(index_);
       }
@@ -126,17 +180,12 @@ inline std::shared_ptr<hook_state> hooks_of(torch::nn::Module& m) {
   return e.state;
 }
 
-/// Installs (again, when the parameters or which of them are frozen changed) one ready_hook per
-/// trainable parameter of `m`.
+/// Attaches one ready_hook to the gradient accumulator of each trainable parameter of `m`, for one
+/// shard (remove_hooks detaches them). An accumulator autograd does not hold already is made here,
+/// with the caller's current stream as its stream (on CUDA: dparallel's, see begin_shard), and
+/// held until remove_hooks; the module's forward links it into the graph.
 inline void install_hooks(torch::nn::Module& m, std::shared_ptr<hook_state> const& s) {
   auto const named = m.named_parameters(true);
-  bool same = named.size() == s->params.size();
-  for (std::size_t i = 0; same && i < named.size(); ++i)
-    same = named[i].value().unsafeGetTensorImpl() == s->params[i].unsafeGetTensorImpl() &&
-           named[i].value().requires_grad() == static_cast<bool>(s->trainable[i]);
-  if (same) return;
-  for (std::size_t i = 0; i < s->accumulators.size(); ++i)
-    if (s->accumulators[i]) s->accumulators[i]->del_post_hook(s->keys[i]);
   std::size_t const n = named.size();
   s->accumulators.assign(n, nullptr);
   s->keys.assign(n, 0);
@@ -146,6 +195,9 @@ inline void install_hooks(torch::nn::Module& m, std::shared_ptr<hook_state> cons
   s->handed.assign(n, at::Tensor());
   s->marked.assign(n, 0);
   s->frozen.resize(n);
+#if defined(DPARALLEL_LIBTORCH_CUDA)
+  if (s->accumulated.size() < n) s->accumulated.resize(n, nullptr);  // before any hook can fire
+#endif
   for (std::size_t i = 0; i < n; ++i) {
     s->params[i] = named[i].value();
     s->names[i] = named[i].key();
@@ -154,6 +206,15 @@ inline void install_hooks(torch::nn::Module& m, std::shared_ptr<hook_state> cons
     s->accumulators[i] = torch::autograd::impl::grad_accumulator(s->params[i]);
     s->keys[i] = s->accumulators[i]->add_post_hook(std::make_unique<ready_hook>(s, i));
   }
+}
+
+/// Detaches the hooks install_hooks attached and lets the accumulators go: autograd keeps one only
+/// while a graph uses it, so the next shard makes them again under its own stream (an accumulator
+/// held past the wrapper would go on running on a stream dparallel has destroyed).
+inline void remove_hooks(hook_state& s) noexcept {
+  for (std::size_t i = 0; i < s.accumulators.size(); ++i)
+    if (s.accumulators[i]) (void)s.accumulators[i]->del_post_hook(s.keys[i]);
+  s.accumulators.assign(s.accumulators.size(), nullptr);
 }
 
 /// Makes each parameter of `replica` trainable or frozen as the same parameter of `source` is.
