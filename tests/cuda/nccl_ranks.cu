@@ -199,8 +199,9 @@ void check_stop(dpl::distributed_group& g, std::chrono::milliseconds timeout) {
 
 // The hooks' bucket: two parameters (600 and 401 elements). Rank r's value i at step s: `exact`
 // values (multiples of 1/4 below 8, rank r adding r/2) whose average over 2 ranks 16 bits hold
-// exactly; else values of both signs in [2^-10, 1.2] that 16 bits do not hold (magnitudes where
-// the sum of two 16-bit values is exact in float, so the host's average is rounded once).
+// exactly; else values of both signs, of magnitude 2^-10/1.1 to about 1, that 16 bits do not hold
+// (magnitudes where the sum of two 16-bit values is exact in float, so the host's average is
+// rounded once).
 std::vector<std::size_t> const hook_params{0, 1}, hook_offsets{0, 600}, hook_sizes{600, 401};
 constexpr std::size_t hook_len = 1001;
 
