@@ -15,21 +15,32 @@
 //                fails with the desync report naming the odd rank, and nothing runs
 //   stop         the last rank stops issuing collectives: every other rank's all_reduce fails with
 //                a timeout_error within the timeout, and a later collective fails at once
+//   hooks        cuda::fp16_compress and bf16_compress over 2 NCCL ranks against the host hooks over
+//                2 thread ranks of this process on the same inputs (spawn): the residuals of error
+//                feedback bitwise, averages that 16 bits hold exactly bitwise, rounded averages
+//                within one 16-bit step (NCCL's native 16-bit average is within rounding of the
+//                host's float sum); every rank holds rank 0's bits
 #include "zero_train.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
+#include <dparallel/backend/cuda/compress_hooks.hpp>
 #include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/comm/nccl.hpp>
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/sgd.hpp>
+#include <dparallel/policy/compress_hooks.hpp>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <string_view>
@@ -186,6 +197,107 @@ void check_stop(dpl::distributed_group& g, std::chrono::milliseconds timeout) {
   }
 }
 
+// The hooks' bucket: two parameters (600 and 401 elements). Rank r's value i at step s: `exact`
+// values (multiples of 1/4 below 8, rank r adding r/2) whose average over 2 ranks 16 bits hold
+// exactly; else values of both signs, of magnitude 2^-10/1.1 to about 1, that 16 bits do not hold
+// (magnitudes where the sum of two 16-bit values is exact in float, so the host's average is
+// rounded once).
+std::vector<std::size_t> const hook_params{0, 1}, hook_offsets{0, 600}, hook_sizes{600, 401};
+constexpr std::size_t hook_len = 1001;
+
+float hook_input(int r, int s, std::size_t i, bool exact) {
+  if (exact) return static_cast<float>(static_cast<int>((i + 7 * static_cast<std::size_t>(s)) % 61) - 30) * 0.25f + 0.5f * static_cast<float>(r);
+  float const w = std::sin(0.37f * static_cast<float>(i) + 1.3f * static_cast<float>(s) + 2.1f * static_cast<float>(r));
+  return std::copysign(0.0009765625f + std::fabs(w) * (1.0f + 1e-4f * static_cast<float>(i)), w) / 1.1f;
+}
+
+// The position of 16-bit bits in the order of their values (+0 and -0 both 0).
+int ordinal16(std::uint16_t b) { return (b & 0x8000u) != 0 ? -static_cast<int>(b & 0x7fffu) : static_cast<int>(b); }
+
+// One 16-bit type's three steps, host hooks (reference) against CUDA hooks.
+void check_hook(dpl::distributed_group const& g, bool bf, bool feedback, bool exact) {
+  int const n = g.size(), r = g.rank();
+  dpl::device const d = *g.bound_device();
+  std::string const what = std::string(bf ? "bf16" : "fp16") + (feedback ? ", error feedback" : "") +
+                           (exact ? ", exact averages" : ", rounded averages");
+  auto const bits16 = [bf](float v) { return bf ? dpl::bf16(v).bits : dpl::f16(v).bits; };
+  // The reference: the host hooks over n thread ranks of this process, each on its rank's inputs;
+  // kept: rank r's results and residuals per step.
+  std::vector<std::vector<float>> host(3), host_res(3);
+  dpl::spawn(n, [&](dpl::rank_context& rank) {
+    dpl::compress_state st{.error_feedback = feedback};
+    for (int s = 0; s < 3; ++s) {
+      std::vector<float> x(hook_len);
+      for (std::size_t i = 0; i < hook_len; ++i) x[i] = hook_input(rank.rank(), s, i, exact);
+      dpl::grad_bucket const b{0, dpl::tensor_ref(x.data(), hook_len, dpl::dtype::f32, dpl::host_memory), hook_params,
+                               hook_offsets, hook_sizes};
+      auto const out = (bf ? dpl::bf16_compress(st, rank.group(), b) : dpl::fp16_compress(st, rank.group(), b)).get();
+      if (rank.rank() != r) continue;
+      auto const* y = static_cast<float const*>(out.data());
+      host[static_cast<std::size_t>(s)].assign(y, y + hook_len);
+      for (auto const& res : st.residual) host_res[static_cast<std::size_t>(s)].insert(host_res[static_cast<std::size_t>(s)].end(), res.begin(), res.end());
+    }
+  });
+  dpl::cuda::compress_state st{.error_feedback = feedback};
+  for (int s = 0; s < 3; ++s) {
+    std::string const at = what + ", step " + std::to_string(s);
+    std::vector<float> x(hook_len);
+    for (std::size_t i = 0; i < hook_len; ++i) x[i] = hook_input(r, s, i, exact);
+    auto dx = up(x, d);
+    dpl::grad_bucket const b{0, dpl::tensor_ref(dx.data(), hook_len, dpl::dtype::f32, d), hook_params, hook_offsets,
+                             hook_sizes};
+    auto const out = (bf ? dpl::cuda::bf16_compress(st, g, b) : dpl::cuda::fp16_compress(st, g, b)).get();
+    dpl::cuda::check(cudaDeviceSynchronize(), "test");
+    std::vector<float> const got = down(static_cast<float const*>(out.data()), hook_len);
+    auto const& want = host[static_cast<std::size_t>(s)];
+    expect(want != x, at + ": the host hooks averaged (the result is not this rank's input)");
+    if (exact) {
+      bool analytic = true;  // the host reference itself: the exact average of the ranks' inputs
+      for (std::size_t i = 0; i < hook_len; ++i) {
+        float sum = 0;
+        for (int j = 0; j < n; ++j) sum += hook_input(j, s, i, true);
+        analytic = analytic && want[i] == sum / static_cast<float>(n);
+      }
+      expect(analytic, at + ": the host hooks give the exact average");
+      expect(got == want, at + ": the CUDA hook's average bitwise the host hooks'");
+    } else {
+      int worst = 0;
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < hook_len; ++i) {
+        int const gap = std::abs(ordinal16(bits16(got[i])) - ordinal16(bits16(want[i])));
+        worst = std::max(worst, gap);
+        differ += gap != 0 ? 1 : 0;
+      }
+      std::printf("%s: %s: %zu of %zu values differ from the host's, by at most %d 16-bit step(s)\n", me.c_str(),
+                  at.c_str(), differ, hook_len, worst);
+      expect(worst <= 1, at + ": the CUDA hook's average within one 16-bit step of the host hooks' (found " +
+                             std::to_string(worst) + ")");
+    }
+    if (feedback) {
+      std::vector<float> res;
+      for (auto const& rb : st.residual) {
+        auto const part = down(rb.data(), rb.size());
+        res.insert(res.end(), part.begin(), part.end());
+      }
+      expect(res == host_res[static_cast<std::size_t>(s)], at + ": the residuals bitwise the host hooks'");
+      expect(exact || res != std::vector<float>(res.size(), 0.0f), at + ": the inputs were rounded (residuals not zero)");
+    }
+    std::vector<float> r0 = got;  // every rank holds rank 0's bits
+    g.broadcast(dpl::view(r0), 0).wait();
+    expect(std::memcmp(got.data(), r0.data(), hook_len * sizeof(float)) == 0, at + ": this rank's average bitwise rank 0's");
+  }
+}
+
+void check_hooks(dpl::distributed_group const& g) {
+  if (g.size() != 2) {
+    expect(false, "hooks: expected 2 ranks (its tolerance is a 2-rank average's), found " + std::to_string(g.size()));
+    return;
+  }
+  for (bool bf : {false, true})
+    for (bool feedback : {false, true})
+      for (bool exact : {true, false}) check_hook(g, bf, feedback, exact);
+}
+
 int shared_gpu_env(char const* rank) {
   int v = 0;
   if (ncclGetVersion(&v) != ncclSuccess) return 1;
@@ -199,7 +311,7 @@ int shared_gpu_env(char const* rank) {
 int main(int argc, char** argv) {
   if (argc == 3 && std::string_view(argv[1]) == "--shared-gpu-env") return shared_gpu_env(argv[2]);
   if (argc != 2) {
-    std::fprintf(stderr, "usage: nccl_ranks --shared-gpu-env RANK | nccl_ranks collectives|zero|desync|stop\n");
+    std::fprintf(stderr, "usage: nccl_ranks --shared-gpu-env RANK | nccl_ranks collectives|zero|desync|stop|hooks\n");
     return 2;
   }
   std::string const check = argv[1];
@@ -215,6 +327,8 @@ int main(int argc, char** argv) {
       check_zero(g, dpl::optim::sgd({.momentum = 0.9, .nesterov = true}), "sgd with momentum");
     } else if (check == "desync") {
       check_desync(g);
+    } else if (check == "hooks") {
+      check_hooks(g);
     } else if (check == "stop") {
       check_stop(g, std::chrono::seconds(4));
     } else {
