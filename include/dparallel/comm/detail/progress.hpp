@@ -105,6 +105,8 @@ struct poll_result {
 ///   void release(handle&) noexcept                   always, last; after abort_native() on failure
 ///   void abort_native() noexcept                     once, after the first failure
 ///   std::string late(handle&)                        optional: why a collective past its deadline is late
+///   comm_failure describe_failure(comm_failure)      optional: the failure as every work reports it
+///                                                    (e.g. a subgroup's parent ranks appended)
 /// The driver must outlive the poller; stop() (or the destructor) joins the thread.
 template <class Driver>
 class collective_poller {
@@ -249,6 +251,9 @@ class collective_poller {
 
   // (poll thread, m_ held) Fails the group with `f`: abort, then release and fail every collective.
   void fail(std::unique_lock<std::mutex>& lock, comm_failure f) {
+    if constexpr (requires { { driver_.describe_failure(f) } -> std::same_as<comm_failure>; }) {
+      f = driver_.describe_failure(std::move(f));
+    }
     failure_ = std::move(f);
     abort_request_.reset();
     std::deque<op> dead;
