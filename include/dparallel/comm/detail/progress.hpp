@@ -320,9 +320,11 @@ class collective_poller {
         // until the deadline of a launch inside the engine.
         if (watch_launch) {
           std::uint64_t const seq = launching_->seq;
-          cv_.wait_until(lock, launching_->deadline, [&] {
+          auto const changed = [&] {
             return stopping_ || abort_request_ || !queue_.empty() || !launching_ || launching_->seq != seq;
-          });
+          };
+          if (launching_->deadline == clock::time_point::max()) cv_.wait(lock, changed);  // no timeout
+          else cv_.wait_until(lock, launching_->deadline, changed);
         } else {
           cv_.wait(lock, [&] { return stopping_ || abort_request_ || !queue_.empty() || (launching_ && !failure_); });
         }
