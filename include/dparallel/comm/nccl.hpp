@@ -410,13 +410,13 @@ inline process_group communicator::subgroup(dparallel::detail::subgroup_plan con
   // operation may be outstanding on the parent ("otherwise, it might cause a deadlock"); config
   // NULL: the child inherits the parent's configuration (blocking, as ours). The colors and keys
   // come from the plan, which process_group::split / new_group computed on every rank from the
-  // same exchanged requests: color = index of the rank's subgroup, key = its group rank, so NCCL
-  // orders the members exactly as the plan (new_group's order included, which key alone gives).
+  // same exchanged requests (split_arguments_of: color = index of the rank's subgroup, key = its
+  // group rank), so NCCL orders the members exactly as the plan, new_group's order included
+  // (tested on the host against NCCL's rule: tests/test_subgroups.cpp).
   // The exchange was an all_gather of this communicator, waited for, after every earlier
   // collective on the same stream; drain() makes sure nothing else of this rank is pending.
   drain();
-  int const color = plan.mine < 0 ? NCCL_SPLIT_NOCOLOR : plan.mine;
-  int const key = plan.group_rank;
+  dparallel::detail::split_arguments const args = dparallel::detail::split_arguments_of(plan, NCCL_SPLIT_NOCOLOR);
   ncclComm_t child = nullptr;
   // The child is made for the parent's CUDA device; this rank's GPU is current around the call
   // all the same (a thread rank may have another device current). The split runs as a launch of
@@ -425,7 +425,7 @@ inline process_group communicator::subgroup(dparallel::detail::subgroup_plan con
   // exchange) aborts the parent, which ends the call (comm/detail/progress.hpp).
   cuda::device_guard g(dev_.index);
   work const w = poller_->launch("split into subgroups", timeout(), [&] {
-    check(ncclCommSplit(comm_, color, key, &child, nullptr), "ncclCommSplit", rank_, comm_);
+    check(ncclCommSplit(comm_, args.color, args.key, &child, nullptr), "ncclCommSplit", rank_, comm_);
     in_flight h;
     h.done = events_.take();
     cuda::check(cudaEventRecord(h.done, stream_), "cudaEventRecord", dev_);
