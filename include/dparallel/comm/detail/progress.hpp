@@ -262,8 +262,13 @@ class collective_poller {
     {
       // A launch inside the engine gets launch_abort_grace to come out; one still inside is
       // blocked (see the top of this file) and the abort proceeds beside it.
-      std::unique_lock launching(launch_m_, std::defer_lock);
-      (void)launching.try_lock_for(launch_abort_grace);
+      // (try_lock polled, not a timed mutex: ThreadSanitizer does not follow the clocked lock
+      // that std::timed_mutex::try_lock_for uses, and this runs only once, on failure.)
+      std::unique_lock launching(launch_m_, std::try_to_lock);
+      for (auto const until = clock::now() + launch_abort_grace; !launching.owns_lock() && clock::now() < until;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        (void)launching.try_lock();
+      }
       driver_.abort_native();
     }
     lock.lock();
@@ -377,7 +382,7 @@ class collective_poller {
 
   int rank_;
   Driver& driver_;
-  std::timed_mutex launch_m_;  // a launch inside the engine, or abort_native() (see the top of this file)
+  std::mutex launch_m_;  // a launch inside the engine, or abort_native() (see the top of this file)
   mutable std::mutex m_;  // guards the members below
   std::condition_variable cv_;        // wakes the poll thread
   std::condition_variable state_cv_;  // pending_ and native_aborted_ changed
