@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -252,6 +253,94 @@ TEST_CASE("collective_poller: destruction drains (each collective ends at its ti
   }
   REQUIRE(w.ready());
   CHECK_THAT(error_of<dparallel::timeout_error>(w), Catch::Contains("did not complete within 1 ms"));
+}
+
+namespace {
+
+// An enqueue that blocks, as NCCL's does while it waits for a peer that never joins: it returns
+// only once the engine is aborted (the fake's abort_native), or after `bail` so that a poller
+// that never aborts fails this test instead of hanging it.
+std::shared_ptr<fake_op> blocked_enqueue(fake_driver& d, int id, std::atomic<bool>& inside,
+                                         std::chrono::seconds bail = std::chrono::seconds(20)) {
+  inside = true;
+  auto const until = std::chrono::steady_clock::now() + bail;
+  while (d.aborts == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  d.note(d.aborts == 0 ? "enqueue gave up" : "enqueue ended by the abort");
+  return make_op(id);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+TEST_CASE("collective_poller: an enqueue blocked behind a hung peer is aborted at its timeout", "[progress][blocked]") {
+  // The launch holds the launch mutex while it is inside the engine; the watchdog must abort the
+  // engine without waiting for that mutex, or the blocked enqueue and the watchdog wait forever.
+  using namespace std::chrono_literals;
+  auto const bound = 5.0;  // seconds: the timeout plus the grace, with room for a loaded machine
+  SECTION("the only collective: nothing queued, the launch itself is watched") {
+    fake_driver d;
+    collective_poller<fake_driver> p(4, d);
+    std::atomic<bool> inside{false};
+    auto const t0 = std::chrono::steady_clock::now();
+    auto const w = p.launch("all_reduce of 8 x F32", 200ms, [&] { return blocked_enqueue(d, 1, inside); });
+    double const took = seconds_since(t0);
+    REQUIRE(w.ready());
+    int rank = -1;
+    std::string const e = error_of<dparallel::timeout_error>(w, &rank);
+    CHECK(rank == 4);
+    CHECK_THAT(e, Catch::Contains("all_reduce of 8 x F32 (collective #1) did not complete within 200 ms"));
+    CHECK_THAT(e, Catch::Contains("rank 4 was still inside the engine's call that launches it"));
+    CHECK(took >= 0.2);
+    CHECK(took < bound);
+    CHECK(d.aborts == 1);
+    auto const log = d.snapshot();
+    CHECK(std::count(log.begin(), log.end(), "enqueue ended by the abort") == 1);
+    CHECK(log.back() == "release 1");  // released by the launch once it came out, after the abort
+    CHECK_THAT(error_of<dparallel::timeout_error>(launch(p, make_op(2))), Catch::Contains("(collective #2) failed"));
+  }
+  SECTION("a queued collective times out while the next launch is blocked") {
+    fake_driver d;
+    collective_poller<fake_driver> p(4, d);
+    std::atomic<bool> inside{false};
+    auto const t0 = std::chrono::steady_clock::now();
+    auto const wa = launch(p, make_op(1), 1000ms);  // never completes
+    dparallel::work wb;
+    std::thread issuer([&] { wb = p.launch("broadcast of 2 x F64", long_timeout, [&] { return blocked_enqueue(d, 2, inside); }); });
+    for (int i = 0; !inside && i < 900; ++i) std::this_thread::sleep_for(1ms);
+    REQUIRE(inside);  // the second launch is inside the engine before the first's deadline
+    std::string const ea = error_of<dparallel::timeout_error>(wa);
+    double const took = seconds_since(t0);
+    issuer.join();
+    CHECK_THAT(ea, Catch::Contains("(collective #1) did not complete within 1000 ms"));
+    CHECK(took >= 1.0);
+    CHECK(took < 1.0 + bound);
+    REQUIRE(wb.ready());
+    CHECK_THAT(error_of<dparallel::timeout_error>(wb), Catch::Contains("broadcast of 2 x F64 (collective #2) failed"));
+    CHECK(d.aborts == 1);
+    auto const log = d.snapshot();
+    CHECK(std::count(log.begin(), log.end(), "enqueue ended by the abort") == 1);
+    CHECK(std::count(log.begin(), log.end(), "release 2") == 1);
+  }
+  SECTION("abort() while a launch is blocked returns and ends the launch") {
+    fake_driver d;
+    collective_poller<fake_driver> p(4, d);
+    std::atomic<bool> inside{false};
+    dparallel::work w;
+    std::thread issuer([&] { w = p.launch("barrier", long_timeout, [&] { return blocked_enqueue(d, 1, inside); }); });
+    for (int i = 0; !inside && i < 10'000; ++i) std::this_thread::sleep_for(1ms);
+    REQUIRE(inside);
+    auto const t0 = std::chrono::steady_clock::now();
+    p.abort("giving up on a hung peer");
+    double const took = seconds_since(t0);
+    issuer.join();
+    CHECK(took < bound);
+    CHECK_THAT(error_of<dparallel::comm_error>(w), Catch::Contains("rank 4 aborted the process group: giving up on a hung peer"));
+    CHECK(d.aborts == 1);
+  }
 }
 
 // --- the staging plan ---------------------------------------------------------------------------

@@ -141,3 +141,95 @@ TEST_CASE("hierarchical: an abort on one rank fails every rank's all_reduce, nam
     CHECK(what[static_cast<std::size_t>(r)].find("stop") != std::string::npos);
   }
 }
+
+namespace {
+
+// A group whose tensors are labelled as GPU memory though they lie in host memory: it forwards
+// every collective to a host group, relabelled as host memory. Over it the hierarchical
+// all_reduce takes its device-memory path (no padding, no scaling of its own), so that path is
+// checked here on the host, against its own documented order.
+class labelled_device {
+ public:
+  explicit labelled_device(dp::process_group inner) : inner_(std::move(inner)) {}
+  [[nodiscard]] int rank() const { return inner_.rank(); }
+  [[nodiscard]] int size() const { return inner_.size(); }
+  dp::work all_reduce(dp::tensor_ref t, dp::reduce_op op) { return inner_.all_reduce(host(t), op); }
+  dp::work reduce(dp::tensor_ref t, int root, dp::reduce_op op) { return inner_.reduce(host(t), root, op); }
+  dp::work broadcast(dp::tensor_ref t, int root) { return inner_.broadcast(host(t), root); }
+  dp::work reduce_scatter(dp::tensor_ref o, dp::tensor_ref i, dp::reduce_op op) {
+    return inner_.reduce_scatter(host(o), host(i), op);
+  }
+  dp::work all_gather(dp::tensor_ref o, dp::tensor_ref i) { return inner_.all_gather(host(o), host(i)); }
+  dp::work barrier() { return inner_.barrier(); }
+  void abort(std::string const& why) { inner_.abort(why); }
+  dp::process_group subgroup(dp::detail::subgroup_plan const& plan) {
+    dp::process_group g = dp::detail::make_subgroup(inner_, plan);
+    if (g.valid()) ++subgroups;
+    return g.valid() ? dp::process_group(std::make_shared<labelled_device>(std::move(g))) : g;
+  }
+  int subgroups = 0;
+
+ private:
+  static dp::tensor_ref host(dp::tensor_ref t) { return {t.data(), t.size(), t.dtype(), dp::host_memory}; }
+  dp::process_group inner_;
+};
+
+dp::device const labelled_gpu{dp::device_kind::cuda, 0, 0};
+
+// The device path's documented order: each node's sum in parent-rank order (avg: times 1/L, as
+// the engine's avg), then the node results in node order (avg: times 1/nodes).
+template <class T>
+std::vector<T> device_path_reference(hc::nodes_t const& nodes, std::size_t len, unsigned salt, dp::reduce_op op) {
+  std::vector<T> total;
+  for (auto const& node : nodes) {
+    hc::nodes_t const one{node};
+    auto const part = hc::reference<T>(one, [&](int j) { return hc::input<T>(j, len, salt); }, op);
+    if (total.empty()) {
+      total = part;
+    } else {
+      for (std::size_t i = 0; i < len; ++i) total[i] += part[i];
+    }
+  }
+  if (op == dp::reduce_op::avg) {
+    for (auto& v : total) v *= T(1) / static_cast<T>(nodes.size());
+  }
+  return total;
+}
+
+}  // namespace
+
+TEST_CASE("hierarchical: on device memory nothing is padded or scaled here; sum keeps the documented order",
+          "[host][comm]") {
+  // 2 x 2 and 3 x 2 (nodes x ranks per node), lengths below, at and above the node size,
+  // divisible by it or not: the sum equals the documented order bit for bit (the tail, all-reduced
+  // in the node and then across nodes, adds in that order too); avg is the engine's avg in the
+  // node, then across nodes.
+  for (int const world : {4, 6}) {
+    std::vector<std::string> errors(static_cast<std::size_t>(world));
+    dp::spawn(world, [&](dp::rank_context& ctx) {
+      auto const wrapped = std::make_shared<labelled_device>(ctx.group());
+      auto const h = dp::make_hierarchical(dp::process_group(wrapped), {.ranks_per_node = 2});
+      auto const nodes = hc::consecutive(world, 2);
+      std::string e;
+      if (wrapped->subgroups != 2) e = "expected the node and cross groups split from the wrapped parent";
+      unsigned salt = 40;
+      for (std::size_t len : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{10'001}}) {
+        for (auto op : {dp::reduce_op::sum, dp::reduce_op::avg}) {
+          ++salt;
+          auto x = hc::input<float>(ctx.rank(), len, salt);
+          h.all_reduce(dp::tensor_ref(x.data(), len, dp::dtype::f32, labelled_gpu), op).wait();
+          auto const want = op == dp::reduce_op::sum
+                                ? hc::reference<float>(nodes, [&](int j) { return hc::input<float>(j, len, salt); }, op)
+                                : device_path_reference<float>(nodes, len, salt, op);
+          if (x != want && e.empty())
+            e = "all_reduce (" + std::string(dp::name_of(op)) + ") of " + std::to_string(len) + " floats differs";
+        }
+      }
+      errors[static_cast<std::size_t>(ctx.rank())] = e;
+    });
+    for (int r = 0; r < world; ++r) {
+      INFO(world << " ranks, rank " << r);
+      CHECK(errors[static_cast<std::size_t>(r)] == "");
+    }
+  }
+}

@@ -10,9 +10,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstdint>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dp = dparallel;
@@ -106,4 +110,81 @@ TEST_CASE("subgroups: DDP over a subgroup equals DDP over a group of that size, 
   CHECK(got[1] == want[1]);
   CHECK(got[2] == want[0]);
   CHECK(got[0] == want[1]);
+}
+
+namespace {
+
+// A split by color and key as ncclCommSplit and MPI_Comm_split define it: the ranks passing one
+// color (not `no_color`) form a group ordered by key, ties by parent rank. Every rank's group
+// (parent ranks in group order), empty for a rank passing no_color.
+std::vector<std::vector<int>> split_by_color_and_key(std::vector<dp::detail::split_arguments> const& args, int no_color) {
+  std::vector<std::vector<int>> out(args.size());
+  for (std::size_t j = 0; j < args.size(); ++j) {
+    if (args[j].color == no_color) continue;
+    std::vector<std::pair<int, int>> same;  // (key, parent rank)
+    for (std::size_t i = 0; i < args.size(); ++i)
+      if (args[i].color == args[j].color) same.emplace_back(args[i].key, static_cast<int>(i));
+    std::sort(same.begin(), same.end());
+    for (auto const& kj : same) out[j].push_back(kj.second);
+  }
+  return out;
+}
+
+// Every rank's request words, as process_group::split / new_group exchange them.
+std::vector<std::int64_t> requests(std::vector<std::array<std::int64_t, 4>> const& per_rank) {
+  std::vector<std::int64_t> all;
+  for (auto const& r : per_rank) all.insert(all.end(), {dp::detail::subgroup_magic, r[0], r[1], r[2], r[3]});
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE("subgroups: the color and key an engine's split is given rebuild the plan under NCCL's split rule",
+          "[host][comm]") {
+  // ncclCommSplit (and MPI_Comm_split) groups by color and orders by key, ties by parent rank;
+  // split_arguments_of must make that rule give exactly the plan's groups and group ranks, for
+  // split (colors with gaps, no_group, equal and negative keys) and new_group (any order).
+  int const no_color = -1;  // NCCL_SPLIT_NOCOLOR
+  std::uint64_t seed = 12345;
+  auto const next = [&](int m) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<int>((seed >> 33) % static_cast<std::uint64_t>(m));
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    int const n = 1 + next(9);
+    bool const listed = trial % 3 == 2;
+    std::vector<std::array<std::int64_t, 4>> per_rank(static_cast<std::size_t>(n));
+    std::vector<int> list;
+    if (listed) {
+      for (int j = 0; j < n; ++j)
+        if (next(3) != 0) list.push_back(j);
+      if (list.empty()) list.push_back(next(n));
+      for (std::size_t i = list.size(); i > 1; --i) std::swap(list[i - 1], list[static_cast<std::size_t>(next(static_cast<int>(i)))]);
+      for (auto& r : per_rank)
+        r = {dp::detail::subgroup_kind_new_group, dp::detail::rank_list_hash(list), list.front(),
+             static_cast<std::int64_t>(list.size())};
+    } else {
+      for (auto& r : per_rank) {
+        int const color = next(5) == 0 ? dp::process_group::no_group : 3 * next(3);
+        r = {dp::detail::subgroup_kind_split, color, next(4) - 2, 0};
+      }
+    }
+    auto const all = requests(per_rank);
+    std::vector<dp::detail::subgroup_plan> plans;
+    std::vector<dp::detail::split_arguments> args;
+    for (int j = 0; j < n; ++j) {
+      plans.push_back(listed ? dp::detail::plan_new_group(all, list, j, n)
+                             : dp::detail::plan_split(all, j, n, dp::process_group::no_group));
+      args.push_back(dp::detail::split_arguments_of(plans.back(), no_color));
+    }
+    auto const got = split_by_color_and_key(args, no_color);
+    for (int j = 0; j < n; ++j) {
+      auto const& plan = plans[static_cast<std::size_t>(j)];
+      auto const& g = got[static_cast<std::size_t>(j)];
+      INFO("trial " << trial << ", " << n << " ranks, rank " << j << (listed ? ", new_group" : ", split"));
+      CHECK(g == plan.members());
+      auto const at = std::find(g.begin(), g.end(), j);
+      CHECK((at == g.end() ? -1 : static_cast<int>(at - g.begin())) == plan.group_rank);
+    }
+  }
 }

@@ -4,11 +4,22 @@
 // (gpu_main.cpp). The host-testable parts (the poll engine, the staging plan) are tested on the
 // host in tests/test_comm_progress.cpp. Two thread ranks on the one GPU only where NCCL allows it
 // (>= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1), else the refusal naming the version.
+//
+// Subgroups and the hierarchical all_reduce over NCCL (at the end): over thread ranks, one per
+// GPU (one rank on a machine with one GPU), and, in the hidden test "[nccl-ranks]", over this
+// process's rank of a launched job, e.g. two processes on ONE GPU (each its own NCCL_HOSTID):
+//   for r in 0 1; do
+//     RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533
+//       NCCL_HOSTID=dparallel-rank-$r NCCL_SOCKET_IFNAME=lo test_nccl "[nccl-ranks]" &   (one command)
+//   done; wait
+// The plan (who lands in which subgroup, in which order, and the checks of the requests) is the
+// engines' shared code, tested on the host (tests/test_subgroups.cpp, test_hierarchical.cpp).
 #include "cuda_linreg.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
 #include <dparallel/backend/cuda/compress_hooks.hpp>
 #include <dparallel/comm/desync.hpp>
+#include <dparallel/comm/hierarchical.hpp>
 #include <dparallel/comm/nccl.hpp>
 #include <dparallel/dparallel.hpp>
 #include <dparallel/policy/compress_hooks.hpp>
@@ -370,4 +381,170 @@ TEST_CASE("nccl::dp reduces flattened buckets to the one-device gradient, in pla
       check_flattened_reduce<float>(n, flat, 1e-6);
       check_flattened_reduce<dpl::bf16>(n, flat, 0x1p-8);  // half a bf16 ulp: rounded once, from F32
     }
+}
+
+// --- subgroups and hierarchical all_reduce --------------------------------------------------------
+
+namespace {
+
+// Parent rank p's input: small integers, exact in float, so that every order of the additions
+// gives the same bits and a subgroup's sum can be compared with ==.
+std::vector<float> rank_input(int p, std::size_t n, int salt) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<float>((static_cast<int>(i % 97) + 3 * p + salt) % 41 - 20);
+  return v;
+}
+
+std::vector<float> sum_over(std::vector<int> const& members, std::size_t n, int salt) {
+  std::vector<float> s(n, 0.0f);
+  for (int j : members) {
+    auto const x = rank_input(j, n, salt);
+    for (std::size_t i = 0; i < n; ++i) s[i] += x[i];
+  }
+  return s;
+}
+
+// Rank p's input in device memory on `d`, reduced over `g`, read back.
+std::vector<float> reduced_on(dpl::process_group const& g, dpl::device d, int p, std::size_t n, int salt,
+                              dpl::reduce_op op = dpl::reduce_op::sum) {
+  auto const x = rank_input(p, n, salt);
+  dpl::cuda::device_buffer<float> b(n, d);
+  dpl::cuda::check(cudaMemcpy(b.data(), x.data(), n * sizeof(float), cudaMemcpyHostToDevice), "test");
+  g.all_reduce(b.view(), op).wait();
+  return from_gpu(b.data(), n);
+}
+
+bool near(std::vector<float> const& a, std::vector<float> const& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::abs(a[i] - b[i]) > 1e-5f * (1.0f + std::abs(b[i]))) return false;
+  return true;
+}
+
+// The subgroup contracts on parent group g (an NCCL group; this rank's GPU d): who lands where,
+// in which order, and what a collective over a subgroup gives. Empty when all hold, else the
+// first failure.
+std::string check_subgroups(dpl::process_group const& g, dpl::device d) {
+  int const world = g.size(), p = g.rank();
+  std::size_t const n = 1001;
+  auto const expect_group = [&](dpl::process_group const& sub, std::vector<int> const& members,
+                                std::string const& what, int salt) -> std::string {
+    auto const at = std::find(members.begin(), members.end(), p);
+    if (at == members.end()) return sub.valid() ? what + ": expected no subgroup on parent rank " + std::to_string(p) : "";
+    if (!sub.valid()) return what + ": expected a subgroup on parent rank " + std::to_string(p);
+    if (sub.size() != static_cast<int>(members.size()) || sub.rank() != static_cast<int>(at - members.begin()))
+      return what + ": expected group rank " + std::to_string(at - members.begin()) + " of " +
+             std::to_string(members.size()) + ", found " + std::to_string(sub.rank()) + " of " + std::to_string(sub.size());
+    if (reduced_on(sub, d, p, n, salt) != sum_over(members, n, salt)) return what + ": all_reduce over the subgroup";
+    auto x = rank_input(p, n, salt + 1);  // host memory, staged by the engine
+    sub.broadcast(dpl::view(x), 0).wait();
+    if (x != rank_input(members[0], n, salt + 1)) return what + ": broadcast from group rank 0";
+    return "";
+  };
+  // split by parity, keys reversing the parent order.
+  std::vector<int> same_parity;
+  for (int j = world - 1; j >= 0; --j)
+    if (j % 2 == p % 2) same_parity.push_back(j);
+  if (auto e = expect_group(g.split(p % 2, -p), same_parity, "split(rank % 2, -rank)", 1); !e.empty()) return e;
+  // new_group in a given order, the others in no group.
+  std::vector<int> const ends = world == 1 ? std::vector<int>{0} : std::vector<int>{world - 1, 0};
+  if (auto e = expect_group(g.new_group(ends), ends, "new_group(last, first)", 3); !e.empty()) return e;
+  // no_group: only parent rank 0 in a subgroup.
+  if (auto e = expect_group(g.split(p == 0 ? 7 : dpl::process_group::no_group), {0}, "split(rank 0 only)", 5);
+      !e.empty())
+    return e;
+  // A subgroup of a subgroup.
+  auto const all = g.split(0, p);
+  std::vector<int> everyone(static_cast<std::size_t>(world));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  if (auto e = expect_group(all.split(0, -all.rank()), std::vector<int>(everyone.rbegin(), everyone.rend()),
+                            "split of a split", 7);
+      !e.empty())
+    return e;
+  // The hierarchical all_reduce equals the flat one: exactly for sums of integers, within float
+  // rounding for avg (it rounds twice on device memory); device and host memory.
+  std::vector<int> per_nodes{1};  // one rank per node
+  if (world > 1) per_nodes.push_back(world);  // one node
+  if (world % 2 == 0 && world > 2) per_nodes.push_back(2);
+  for (int per_node : per_nodes) {
+    auto const h = dpl::make_hierarchical(g, {.ranks_per_node = per_node});
+    std::string const at = "hierarchical (" + std::to_string(per_node) + " ranks per node)";
+    for (std::size_t len : {std::size_t{1}, std::size_t{7}, std::size_t{1001}, (std::size_t{1} << 20) + 3}) {
+      int const salt = 11 + static_cast<int>(len % 13);
+      if (reduced_on(h, d, p, len, salt) != reduced_on(g, d, p, len, salt))
+        return at + ": sum of " + std::to_string(len) + " floats in device memory differs from the flat group's";
+      if (!near(reduced_on(h, d, p, len, salt, dpl::reduce_op::avg), reduced_on(g, d, p, len, salt, dpl::reduce_op::avg)))
+        return at + ": avg of " + std::to_string(len) + " floats in device memory differs from the flat group's";
+      auto x = rank_input(p, len, salt);
+      h.all_reduce(dpl::view(x), dpl::reduce_op::sum).wait();
+      if (x != sum_over(everyone, len, salt))
+        return at + ": sum of " + std::to_string(len) + " floats in host memory differs from the serial sum";
+    }
+  }
+  // A subgroup's failure names both numberings.
+  auto const reversed = g.split(0, -p);
+  reversed.abort("subgroup test abort");
+  try {
+    reversed.barrier().wait();
+    return "a barrier of an aborted subgroup succeeded";
+  } catch (dpl::comm_error const& e) {
+    std::string const want = "is parent rank " + std::to_string(p);
+    if (std::string(e.what()).find(want) == std::string::npos || std::string(e.what()).find("subgroup test abort") == std::string::npos)
+      return std::string("the aborted subgroup's error names neither the parent rank nor the cause: ") + e.what();
+  }
+  // The parent is untouched by its subgroups' failure.
+  if (reduced_on(g, d, p, n, 13) != sum_over(everyone, n, 13)) return "the parent after its subgroup's abort";
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("NCCL subgroups (split, new_group) and the hierarchical all_reduce over thread ranks",
+          "[nccl][subgroups]") {
+  int const world = std::min(dpl::cuda::device_count(), 4);
+  if (world < 2)
+    WARN("one GPU: subgroups over one NCCL thread rank; several ranks on this GPU are the processes of "
+         "test_nccl \"[nccl-ranks]\" (see the top of tests/cuda/test_nccl.cu)");
+  // A rank whose checks fail stops issuing; the others then fail at this timeout.
+  auto groups = dpl::nccl::make_groups(dpl::cuda::devices(world), std::chrono::seconds(60));
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        dpl::device const d{dpl::device_kind::cuda, r, 0};
+        dpl::cuda::check(cudaSetDevice(r), "cudaSetDevice");
+        errors[static_cast<std::size_t>(r)] = check_subgroups(groups[static_cast<std::size_t>(r)], d);
+      } catch (std::exception const& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r);
+    CHECK(errors[static_cast<std::size_t>(r)] == "");
+  }
+}
+
+TEST_CASE("NCCL subgroups and the hierarchical all_reduce over this process's rank of a launched job",
+          "[.][nccl-ranks]") {
+  // Hidden: run by a launcher, one process per rank (see the top of this file). Every rank runs
+  // the same checks; a rank whose checks fail aborts the group so that the others fail too.
+  auto const env = dpl::process_environment();
+  if (!env("WORLD_SIZE"))
+    FAIL("expected a launched job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; see the top of tests/cuda/test_nccl.cu)");
+  auto const g = dpl::nccl::init_process_group();
+  int ordinal = 0;
+  dpl::cuda::check(cudaGetDevice(&ordinal), "cudaGetDevice");  // init_process_group made the rank's GPU current
+  std::string e;
+  try {
+    e = check_subgroups(g, dpl::device{dpl::device_kind::cuda, ordinal, 0});
+  } catch (std::exception const& x) {
+    e = x.what();
+  }
+  INFO("rank " << g.rank() << " of " << g.size() << " on GPU " << ordinal);
+  CHECK(e == "");
+  if (!e.empty()) g.abort("rank " + std::to_string(g.rank()) + " failed its subgroup checks");
+  g.barrier().wait();  // the ranks end together (a barrier of a group one rank aborted fails on every rank)
 }

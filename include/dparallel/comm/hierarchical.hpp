@@ -17,6 +17,15 @@
 // deterministic, and independent of the slice sizes. The other collectives are forwarded to the
 // parent unchanged (their order is the parent's). Every collective runs on this communicator's
 // worker thread, one at a time in the order issued.
+//
+// Device memory (an NCCL parent: tensors on the rank's GPU). This code never touches the
+// elements, so it neither pads nor scales: the first L * floor(n / L) elements take steps 1, 2
+// and 4, and the last n mod L elements (fewer than L) an all_reduce inside the node, then one
+// across nodes, which adds in the same order (the node's ranks, then the node sums). avg is the
+// engine's own: reduce_op::avg inside the node (the node sum times 1/L), then across nodes (the
+// sum of the node averages times 1/nodes), so on device memory an average rounds twice. (How
+// NCCL orders its additions is NCCL's business: on NCCL the order above is that of the steps,
+// not of the additions inside one.)
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
@@ -25,6 +34,7 @@
 #include <dparallel/comm/detail/serial_worker.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/device.hpp>
 #include <dparallel/core/half.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
@@ -156,6 +166,10 @@ class hierarchical_communicator {
   }
 
   void hierarchical_all_reduce(tensor_ref t, reduce_op op) {
+    if (t.device().kind != device_kind::host) {
+      guarded([&] { device_all_reduce(t, op); });
+      return;
+    }
     auto const L = static_cast<std::size_t>(node_.size());
     std::size_t const n = t.size();
     std::size_t const m = (n + L - 1) / L;
@@ -168,7 +182,7 @@ class hierarchical_communicator {
     }
     auto* base = static_cast<std::byte*>(buf.data());
     tensor_ref const slice(base + static_cast<std::size_t>(node_.rank()) * m * bytes, m, t.dtype(), t.device());
-    try {
+    guarded([&] {
       node_.reduce_scatter(slice, buf, reduce_op::sum).wait();
       cross_.all_reduce(slice, reduce_op::sum).wait();
       if (op == reduce_op::avg) {
@@ -181,6 +195,37 @@ class hierarchical_communicator {
         });
       }
       node_.all_gather(buf, slice).wait();
+    });
+    if (buf.data() != t.data() && n != 0) std::memcpy(t.data(), staging_.data(), n * bytes);
+  }
+
+  // The all_reduce of a tensor in device memory (see the top of this file): no element is read
+  // or written here.
+  void device_all_reduce(tensor_ref t, reduce_op op) {
+    auto const L = static_cast<std::size_t>(node_.size());
+    std::size_t const m = t.size() / L;
+    std::size_t const body = m * L;
+    std::size_t const bytes = size_of(t.dtype());
+    auto* base = static_cast<std::byte*>(t.data());
+    if (m != 0) {
+      tensor_ref const all(base, body, t.dtype(), t.device());
+      tensor_ref const slice(base + static_cast<std::size_t>(node_.rank()) * m * bytes, m, t.dtype(), t.device());
+      node_.reduce_scatter(slice, all, op).wait();
+      cross_.all_reduce(slice, op).wait();
+      node_.all_gather(all, slice).wait();
+    }
+    if (body != t.size()) {
+      tensor_ref const tail(base + body * bytes, t.size() - body, t.dtype(), t.device());
+      node_.all_reduce(tail, op).wait();
+      cross_.all_reduce(tail, op).wait();
+    }
+  }
+
+  // Runs the steps of one all_reduce; a failed step fails this rank's other groups too.
+  template <class Steps>
+  void guarded(Steps&& steps) {
+    try {
+      steps();
     } catch (...) {
       // A failed step fails this rank's other groups too, so that every rank fails within the
       // timeout (a peer in another node would otherwise wait for this rank's next step).
@@ -196,7 +241,6 @@ class hierarchical_communicator {
       cross_.drain();
       throw;
     }
-    if (buf.data() != t.data() && n != 0) std::memcpy(t.data(), staging_.data(), n * bytes);
   }
 
   process_group parent_;

@@ -321,9 +321,8 @@ inline process_group communicator::subgroup(dparallel::detail::subgroup_plan con
   int rc = MPI_SUCCESS;
   // Blocking, on the progress thread: the split's request exchange (an all_gather of this
   // group, waited for) proved that every rank is here and has nothing in flight before it.
-  engine_->call([&] {
-    rc = MPI_Comm_split(state_->data_comm(), plan.mine < 0 ? MPI_UNDEFINED : plan.mine, plan.group_rank, &sub);
-  });
+  dparallel::detail::split_arguments const args = dparallel::detail::split_arguments_of(plan, MPI_UNDEFINED);
+  engine_->call([&] { rc = MPI_Comm_split(state_->data_comm(), args.color, args.key, &sub); });
   if (rc != MPI_SUCCESS)
     throw comm_error(rank(), "dparallel: mpi: rank " + std::to_string(rank()) +
                                  ": MPI_Comm_split for a subgroup failed: " + dparallel::detail::mpi_error_text(rc));

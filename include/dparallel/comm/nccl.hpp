@@ -10,6 +10,8 @@
 //   unique id travels from rank 0 through `bootstrap` (an MPI group) when given, else through the
 //   TCP rendezvous at MASTER_ADDR:MASTER_PORT (ncclCommInitRank). The rank's GPU is chosen as
 //   comm/detail/launch_gpu.hpp says (one visible GPU per rank works; real sharing is refused).
+// - process_group::split / new_group of an NCCL group, and so make_hierarchical: ncclCommSplit
+//   (see communicator::subgroup).
 //
 // Guarantees of a communicator (see also docs/gpu.md):
 // - Ordering: every collective runs on the communicator's own stream, after the GPU work the
@@ -224,6 +226,12 @@ class communicator {
   /// Blocks until every collective issued so far has finished (successfully or not).
   void drain() { poller_->drain(); }
 
+  /// This rank's subgroup of a split (see process_group::split, which checked the requests and
+  /// made `plan`, the same on every rank): ncclCommSplit of this communicator, the subgroup on
+  /// this rank's GPU with this communicator's timeout; empty when the rank is in none. Every rank
+  /// of this communicator calls it. Its failures name the rank in both numberings.
+  process_group subgroup(dparallel::detail::subgroup_plan const& plan);
+
  private:
   // One launched collective, as the poller holds it.
   struct in_flight {
@@ -277,6 +285,10 @@ class communicator {
     void abort_native() noexcept {
       (void)cudaSetDevice(c.dev_.index);
       (void)ncclCommAbort(c.comm_);
+    }
+    // A subgroup's failures also name the rank's parent rank and the members.
+    dparallel::detail::comm_failure describe_failure(dparallel::detail::comm_failure f) const {
+      return dparallel::detail::subgroup_failure(std::move(f), c.parent_ranks_);
     }
   };
 
@@ -388,6 +400,7 @@ class communicator {
   std::int32_t* barrier_word_ = nullptr;
   detail::event_pool events_;
   detail::staging_pool staging_;
+  std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise (set before its first collective)
   driver driver_{*this};
   std::unique_ptr<dparallel::detail::collective_poller<driver>> poller_;  // last: its thread uses the others
 };
@@ -404,6 +417,60 @@ inline int runtime_version() {
   int v = 0;
   check(ncclGetVersion(&v), "ncclGetVersion", 0);
   return v;
+}
+
+inline process_group communicator::subgroup(dparallel::detail::subgroup_plan const& plan) {
+  // NCCL's rules for ncclCommSplit (NCCL API, "ncclCommSplit"): it is a collective of every rank
+  // of the parent, a rank passing NCCL_SPLIT_NOCOLOR takes part and gets no communicator; ranks
+  // passing one color form one communicator ordered by key (ties by parent rank); no NCCL
+  // operation may be outstanding on the parent ("otherwise, it might cause a deadlock"); config
+  // NULL: the child inherits the parent's configuration (blocking, as ours). The colors and keys
+  // come from the plan, which process_group::split / new_group computed on every rank from the
+  // same exchanged requests (split_arguments_of: color = index of the rank's subgroup, key = its
+  // group rank), so NCCL orders the members exactly as the plan, new_group's order included
+  // (tested on the host against NCCL's rule: tests/test_subgroups.cpp).
+  // The exchange was an all_gather of this communicator, waited for, after every earlier
+  // collective on the same stream; drain() makes sure nothing else of this rank is pending.
+  drain();
+  dparallel::detail::split_arguments const args = dparallel::detail::split_arguments_of(plan, NCCL_SPLIT_NOCOLOR);
+  ncclComm_t child = nullptr;
+  // The child is made for the parent's CUDA device; this rank's GPU is current around the call
+  // all the same (a thread rank may have another device current). The split runs as a launch of
+  // the poll engine, so the parent's failure semantics apply: a failed or aborted parent refuses
+  // it with its error, and a split still blocked at the timeout (a peer that died after the
+  // exchange) aborts the parent, which ends the call (comm/detail/progress.hpp).
+  cuda::device_guard g(dev_.index);
+  work const w = poller_->launch("split into subgroups", timeout(), [&] {
+    check(ncclCommSplit(comm_, args.color, args.key, &child, nullptr), "ncclCommSplit", rank_, comm_);
+    in_flight h;
+    h.done = events_.take();
+    cuda::check(cudaEventRecord(h.done, stream_), "cudaEventRecord", dev_);
+    return h;
+  });
+  try {
+    w.wait();
+  } catch (...) {
+    if (child != nullptr) (void)ncclCommAbort(child);  // made, but the parent failed meanwhile
+    throw;
+  }
+  if (child == nullptr) {
+    dparallel::detail::require(plan.mine < 0, [&] {
+      return "NCCL subgroup on rank " + std::to_string(rank_) + ": ncclCommSplit returned no communicator for group " +
+             std::to_string(plan.mine) + " (expected one: this rank is group rank " + std::to_string(plan.group_rank) +
+             " of " + dparallel::detail::rank_list_text(plan.members()) + ")";
+    });
+    return {};
+  }
+  auto const members = plan.members();
+  std::shared_ptr<communicator> sub;
+  try {
+    sub = std::make_shared<communicator>(child, plan.group_rank, static_cast<int>(members.size()), dev_, timeout());
+  } catch (...) {
+    (void)ncclCommAbort(child);  // the communicator did not take it
+    throw;
+  }
+  sub->parent_ranks_ = members;
+  return process_group(std::move(sub));
 }
 
 /// Thread ranks of one process, rank i on GPU gpus[i] (distinct GPUs; NCCL refuses two ranks on

@@ -10,6 +10,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -175,6 +176,106 @@ inline void broadcast_from_root(process_group const& g, std::vector<tensor_ref> 
   }
 }
 
+/// The buffers' broadcast before each step, coalesced: one broadcast per dtype instead of one per
+/// buffer. The buffers of a dtype that has several are laid out one after the other in a block of
+/// the buffers' device (Backend::allocate, kept from step to step, grown when the buffers grow);
+/// the root copies its buffers in, the block is broadcast, the other ranks copy it out. A dtype
+/// with one buffer is broadcast in place. The copies are the backend's immediate ones: on the
+/// calling stream (CUDA: the engine's collective orders after that stream's work, and the copies
+/// out come after the broadcast's completion was waited for), synchronous on the host. Every
+/// rank's buffers end bit for bit the root's, as with one broadcast per buffer.
+class coalesced_buffer_broadcast {
+ public:
+  coalesced_buffer_broadcast() = default;
+  // A copy starts without a block of its own (never two wrappers writing one block).
+  coalesced_buffer_broadcast(coalesced_buffer_broadcast const&) {}
+  coalesced_buffer_broadcast& operator=(coalesced_buffer_broadcast const& o) {
+    if (this != &o) *this = coalesced_buffer_broadcast();
+    return *this;
+  }
+  coalesced_buffer_broadcast(coalesced_buffer_broadcast&&) = default;
+  coalesced_buffer_broadcast& operator=(coalesced_buffer_broadcast&&) = default;
+  ~coalesced_buffer_broadcast() = default;
+
+  /// Every rank's `bufs` (on device `where`) become rank `root`'s; waits for the broadcasts.
+  template <class Backend>
+  void run(process_group const& g, std::vector<tensor_ref> const& bufs, int root, device where) {
+    using ops = typename Backend::immediate;
+    plan(bufs);
+    if (block_bytes_ > capacity_) {
+      block_ = Backend::allocate(where, block_bytes_);
+      capacity_ = block_bytes_;
+    }
+    bool const sender = g.rank() == root;
+    pending_.clear();
+    try {
+      for (auto const& k : kinds_) {
+        if (k.members.size() == 1) {
+          pending_.push_back(g.broadcast(bufs[k.members[0]], root));
+          continue;
+        }
+        if (sender) for_each_slice(k, bufs, where, [](tensor_ref slice, tensor_ref b) { ops::copy(slice, b); });
+        pending_.push_back(g.broadcast(tensor_ref(block_.get() + k.offset, k.elements, k.type, where), root));
+      }
+      for (auto const& w : pending_) w.wait();
+    } catch (...) {
+      g.drain();  // the buffers and the block must outlive the collectives
+      throw;
+    }
+    if (sender) return;
+    for (auto const& k : kinds_) {
+      if (k.members.size() > 1) for_each_slice(k, bufs, where, [](tensor_ref slice, tensor_ref b) { ops::copy(b, slice); });
+    }
+  }
+
+ private:
+  struct kind {
+    dtype type = dtype::f32;
+    std::vector<std::size_t> members;  // indices in the buffer list, in list order
+    std::size_t elements = 0;
+    std::size_t offset = 0;  // bytes into the block
+  };
+
+  // The buffers by dtype, in order of first appearance; the block's layout (64-byte aligned parts).
+  void plan(std::vector<tensor_ref> const& bufs) {
+    std::size_t used = 0;  // kinds_ keeps its vectors' capacity from step to step
+    for (std::size_t i = 0; i < bufs.size(); ++i) {
+      std::size_t k = 0;
+      while (k < used && kinds_[k].type != bufs[i].dtype()) ++k;
+      if (k == used) {
+        if (used == kinds_.size()) kinds_.emplace_back();
+        kinds_[k].type = bufs[i].dtype();
+        kinds_[k].members.clear();
+        ++used;
+      }
+      kinds_[k].members.push_back(i);
+    }
+    kinds_.resize(used);
+    block_bytes_ = 0;
+    for (auto& k : kinds_) {
+      k.elements = 0;
+      for (std::size_t i : k.members) k.elements += bufs[i].size();
+      k.offset = block_bytes_;
+      if (k.members.size() > 1) block_bytes_ += (k.elements * size_of(k.type) + 63) / 64 * 64;
+    }
+  }
+
+  template <class F>
+  void for_each_slice(kind const& k, std::vector<tensor_ref> const& bufs, device where, F&& f) const {
+    std::size_t at = k.offset;
+    for (std::size_t i : k.members) {
+      f(tensor_ref(block_.get() + at, bufs[i].size(), k.type, where), bufs[i]);
+      at += bufs[i].size_bytes();
+    }
+  }
+
+  std::vector<kind> kinds_;
+  std::vector<work> pending_;
+  std::shared_ptr<std::byte> block_;
+  std::size_t block_bytes_ = 0;
+  std::size_t capacity_ = 0;
+};
+
 /// Verifies that every rank's parameters have the count, sizes and dtypes of rank 0's; the same
 /// error is raised on every rank, naming the first rank and parameter that differ.
 inline void verify_across_ranks(process_group const& g, std::vector<tensor_ref> const& params, char const* what) {
@@ -230,11 +331,17 @@ struct broadcast_from_root {
   }
   /// Broadcasts rank 0's buffers when options::broadcast_buffers is set (and average_buffers is
   /// not); when ranks have joined (policy/join.hpp), the lowest rank still stepping is the root.
+  /// The buffers go as one broadcast per dtype (detail::coalesced_buffer_broadcast).
   template <class Set>
   void before_step(Set& s) {
     if (s.opts.broadcast_buffers && !s.opts.average_buffers && !s.bufs[0].empty() && s.world_size() > 1)
-      s.streams[0]->enqueue([&s] { detail::broadcast_from_root(s.group, s.bufs[0], s.join.root); });
+      s.streams[0]->enqueue([this, &s] {
+        buffers_.run<typename Set::backend_type>(s.group, s.bufs[0], s.join.root, s.devices[0]);
+      });
   }
+
+ private:
+  detail::coalesced_buffer_broadcast buffers_;
 };
 static_assert(replicate_policy<broadcast_from_root>);
 

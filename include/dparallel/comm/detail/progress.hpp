@@ -17,11 +17,25 @@
 // Failure. The first failure wins and is sticky: an abort(why), a collective that did not
 // complete within its timeout, a collective the engine reports failed, or an engine-wide error.
 // The poll thread alone handles it, in this order: (1) it fails the group, taking every queued
-// collective out of the queue; (2) it calls the engine's abort_native() once, under the launch
-// mutex, so never while a launch is inside the engine (an NCCL communicator must not be used
-// from two threads at once); (3) only then it releases each collective's resources (staging
-// memory, events) and completes its work with the error. Releasing before the abort could free
-// memory a stuck kernel still uses, or block in a synchronising free behind it.
+// collective out of the queue; (2) it calls the engine's abort_native() once; (3) only then it
+// releases each collective's resources (staging memory, events) and completes its work with the
+// error. Releasing before the abort could free memory a stuck kernel still uses, or block in a
+// synchronising free behind it.
+//
+// The launch mutex. A launch runs inside the engine (the NCCL enqueue) under the launch mutex,
+// one at a time, and abort_native() normally takes the same mutex, so that the engine is not
+// aborted while another thread is inside a call on it. But an enqueue can block: NCCL connects
+// to a peer inside the call that first needs the connection, and waits there for a peer that
+// never comes (dead, hung, or issuing other collectives). So the watchdog never waits for the
+// mutex longer than launch_abort_grace: an enqueue still inside after it is blocked, and ending
+// it is what the abort is for. NCCL allows exactly this: its user guide ("Fault Tolerance")
+// has an application call ncclCommAbort at any point (during initialisation, communication or
+// finalisation) to recover from a failed peer, and nccl.h says it "aborts any operations that
+// might still be running"; a call blocked inside NCCL watches the communicator's abort flag,
+// which ncclCommAbort sets first, and returns an error. A launch inside the engine is watched
+// too: the poll thread knows its deadline (the collective's timeout, from the start of the
+// launch) and fails the group when it passes, even with nothing queued. The launch returns once
+// the abort ended its call, and fails its work with the group's error.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/work.hpp>
@@ -68,6 +82,10 @@ inline std::chrono::steady_clock::time_point deadline_after(std::chrono::millise
   return timeout >= room ? std::chrono::steady_clock::time_point::max() : now + timeout;
 }
 
+/// How long the watchdog waits for a launch inside the engine to come out before it aborts the
+/// engine beside it (see the top of this file): an enqueue takes microseconds unless it blocks.
+inline constexpr std::chrono::milliseconds launch_abort_grace{100};
+
 /// What polling a launched collective found.
 struct poll_result {
   enum class state : std::uint8_t { pending, done, failed };
@@ -87,6 +105,8 @@ struct poll_result {
 ///   void release(handle&) noexcept                   always, last; after abort_native() on failure
 ///   void abort_native() noexcept                     once, after the first failure
 ///   std::string late(handle&)                        optional: why a collective past its deadline is late
+///   comm_failure describe_failure(comm_failure)      optional: the failure as every work reports it
+///                                                    (e.g. a subgroup's parent ranks appended)
 /// The driver must outlive the poller; stop() (or the destructor) joins the thread.
 template <class Driver>
 class collective_poller {
@@ -118,24 +138,33 @@ class collective_poller {
         retire_unqueued(p, e);
         return w;
       }
+      launching_ = inside{seq, &what, timeout, deadline_after(timeout)};
+      if (queue_.empty()) cv_.notify_all();  // an idle poll thread learns the launch's deadline
     }
     std::optional<handle> h;
+    std::exception_ptr thrown;
     try {
       h.emplace(make());
     } catch (...) {
-      retire_unqueued(p, std::current_exception());
-      return w;
+      thrown = std::current_exception();
     }
     launching.unlock();
     std::unique_lock lock(m_);
+    launching_.reset();
     if (failure_) {
-      // The group failed while this collective was launched: abort first (the poll thread does it
-      // and needs the launch mutex, released above), then release.
+      // The group failed while this collective was launched (perhaps ending its call: then the
+      // engine's error is a consequence, the group's failure the cause): abort first (the poll
+      // thread does it), then release.
       state_cv_.wait(lock, [&] { return native_aborted_; });
       std::exception_ptr const e = collective_error(rank_, what, seq, *failure_);
       lock.unlock();
-      driver_.release(*h);
+      if (h) driver_.release(*h);
       retire_unqueued(p, e);
+      return w;
+    }
+    if (thrown) {
+      lock.unlock();
+      retire_unqueued(p, thrown);
       return w;
     }
     queue_.push_back(op{seq, std::move(what), timeout, deadline_after(timeout), std::move(*h), std::move(p)});
@@ -222,13 +251,24 @@ class collective_poller {
 
   // (poll thread, m_ held) Fails the group with `f`: abort, then release and fail every collective.
   void fail(std::unique_lock<std::mutex>& lock, comm_failure f) {
+    if constexpr (requires { { driver_.describe_failure(f) } -> std::same_as<comm_failure>; }) {
+      f = driver_.describe_failure(std::move(f));
+    }
     failure_ = std::move(f);
     abort_request_.reset();
     std::deque<op> dead;
     dead.swap(queue_);
     lock.unlock();
     {
-      std::lock_guard launching(launch_m_);
+      // A launch inside the engine gets launch_abort_grace to come out; one still inside is
+      // blocked (see the top of this file) and the abort proceeds beside it.
+      // (try_lock polled, not a timed mutex: ThreadSanitizer does not follow the clocked lock
+      // that std::timed_mutex::try_lock_for uses, and this runs only once, on failure.)
+      std::unique_lock launching(launch_m_, std::try_to_lock);
+      for (auto const until = clock::now() + launch_abort_grace; !launching.owns_lock() && clock::now() < until;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        (void)launching.try_lock();
+      }
       driver_.abort_native();
     }
     lock.lock();
@@ -266,10 +306,33 @@ class collective_poller {
         fail(lock, {rank_, false, "rank " + std::to_string(rank_) + " aborted the process group: " + why});
         continue;
       }
+      // A launch inside the engine is watched until the group fails (then the abort ended it).
+      bool const watch_launch = launching_.has_value() && !failure_;
+      if (watch_launch && clock::now() > launching_->deadline) {
+        inside const& l = *launching_;
+        fail(lock, {rank_, true,
+                    *l.what + " (collective #" + std::to_string(l.seq) + ") did not complete within " +
+                        std::to_string(l.timeout.count()) + " ms: rank " + std::to_string(rank_) +
+                        " was still inside the engine's call that launches it (it blocks there while it "
+                        "waits for a peer that does not join: dead, hung, or issuing other collectives); "
+                        "if the peer is only slow, raise the timeout (process_group::set_timeout, "
+                        "init_options::timeout)"});
+        continue;
+      }
       if (queue_.empty()) {
         if (stopping_) return;
-        // Nothing pending: sleep until a launch, an abort or stop (no polling, no spinning).
-        cv_.wait(lock, [&] { return stopping_ || abort_request_ || !queue_.empty(); });
+        // Nothing pending: sleep until a launch, an abort or stop (no polling, no spinning), or
+        // until the deadline of a launch inside the engine.
+        if (watch_launch) {
+          std::uint64_t const seq = launching_->seq;
+          auto const changed = [&] {
+            return stopping_ || abort_request_ || !queue_.empty() || !launching_ || launching_->seq != seq;
+          };
+          if (launching_->deadline == clock::time_point::max()) cv_.wait(lock, changed);  // no timeout
+          else cv_.wait_until(lock, launching_->deadline, changed);
+        } else {
+          cv_.wait(lock, [&] { return stopping_ || abort_request_ || !queue_.empty() || (launching_ && !failure_); });
+        }
         continue;
       }
       // Only this thread removes collectives, so `front` stays valid while the mutex is released
@@ -309,9 +372,17 @@ class collective_poller {
     }
   }
 
+  // A launch inside the engine (under launch_m_): its collective and deadline.
+  struct inside {
+    std::uint64_t seq = 0;
+    std::string const* what = nullptr;  // the launch's own string, alive while it is inside
+    std::chrono::milliseconds timeout{};
+    clock::time_point deadline;
+  };
+
   int rank_;
   Driver& driver_;
-  std::mutex launch_m_;  // a launch inside the engine, or abort_native(): never both
+  std::mutex launch_m_;  // a launch inside the engine, or abort_native() (see the top of this file)
   mutable std::mutex m_;  // guards the members below
   std::condition_variable cv_;        // wakes the poll thread
   std::condition_variable state_cv_;  // pending_ and native_aborted_ changed
@@ -321,6 +392,7 @@ class collective_poller {
   std::uint64_t completed_ = 0;
   std::optional<comm_failure> failure_;
   std::optional<std::string> abort_request_;
+  std::optional<inside> launching_;
   bool native_aborted_ = false;
   bool settled_ = false;  // the failure's collectives all completed
   bool stopping_ = false;

@@ -151,6 +151,21 @@ inline subgroup_plan plan_new_group(std::vector<std::int64_t> const& all, std::v
   return plan;
 }
 
+/// What a rank passes to a split by color and key (ncclCommSplit; MPI_Comm_split the same way):
+/// the ranks passing one color form a group ordered by key, ties by parent rank, and a rank
+/// passing `no_color` (NCCL_SPLIT_NOCOLOR, MPI_UNDEFINED) takes part and gets no group.
+struct split_arguments {
+  int color = 0;
+  int key = 0;
+};
+
+/// The color and key that make such a split build exactly `plan`'s groups, in the plan's order
+/// (new_group's order included): color = the index of the rank's group, key = its group rank.
+inline split_arguments split_arguments_of(subgroup_plan const& plan, int no_color) {
+  if (plan.mine < 0) return {no_color, 0};
+  return {plan.mine, plan.group_rank};
+}
+
 /// The failure of a subgroup, as its members report it: the reason names group ranks, followed
 /// by where they are in the parent ("rank 1 of this subgroup is parent rank 3; ...").
 inline comm_failure subgroup_failure(comm_failure f, std::vector<int> const& parent_ranks) {
