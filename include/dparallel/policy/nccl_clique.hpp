@@ -67,8 +67,10 @@ class device_comms {
   /// `launch(held)` (NCCL calls on these communicators, call i on `streams[i]`) between
   /// ncclGroupStart and ncclGroupEnd, destroys `held`, and records each stream's completion event
   /// for the watchdog; the group's work is kept until wait_all(). All of it runs under the
-  /// poller's launch mutex, so never concurrently with the watchdog's ncclCommAbort (nothing may
-  /// use a communicator while, or after, it is aborted), and only while the clique is healthy.
+  /// poller's launch mutex and only while the clique is healthy; the watchdog's ncclCommAbort
+  /// waits for that mutex, except for a launch still inside NCCL past its deadline and a grace
+  /// of 100 ms (blocked behind a dead peer), which the abort ends: NCCL allows ncclCommAbort
+  /// beside a blocked call (comm/detail/progress.hpp, "The launch mutex").
   /// Everything that can be checked is checked by the caller before (so no group is left
   /// half-filled by an argument error); if a call or ncclGroupEnd still fails, the clique is
   /// aborted (NCCL: after an error nothing can be assumed about the enqueued operations) and the
