@@ -321,9 +321,10 @@ class shard_scope {
 
 namespace detail {
 /// Throws invalid_argument when a gradient shares memory with a parameter or with another
-/// gradient (`where` names the model).
-inline void verify_gradient_memory(std::vector<tensor_ref> const& p, std::vector<tensor_ref> const& g,
-                                   std::string const& where) {
+/// gradient (`where` names the model; `label(i)` names parameter i and its gradient).
+template <class Label>
+void verify_gradient_memory(std::vector<tensor_ref> const& p, std::vector<tensor_ref> const& g, std::string const& where,
+                            Label const& label) {
   std::vector<tensor_place> places;
   places.reserve(p.size() + g.size());
   for (std::size_t i = 0; i < p.size(); ++i) places.push_back({p[i], 0, i});
@@ -334,8 +335,8 @@ inline void verify_gradient_memory(std::vector<tensor_ref> const& p, std::vector
   bool const second_first = hit->second.group == 1 && (hit->first.group == 0 || hit->second.index > hit->first.index);
   auto const& grad = second_first ? hit->second : hit->first;
   auto const& other = second_first ? hit->first : hit->second;
-  throw invalid_argument("dparallel: " + where + ": gradient " + std::to_string(grad.index) + " shares memory with " +
-                         (other.group == 0 ? "parameter " : "gradient ") + std::to_string(other.index) +
+  throw invalid_argument("dparallel: " + where + ": gradient " + label(grad.index) + " shares memory with " +
+                         (other.group == 0 ? "parameter " : "gradient ") + label(other.index) +
                          "; every gradient needs memory of its own, apart from the parameters and the other "
                          "gradients (the reduction would sum into the wrong place): make gradients() return views "
                          "of distinct storage");
@@ -373,7 +374,7 @@ void verify_model(M& m, std::string const& where) {
              std::to_string(g[i].size()) + " elements of " + std::string(name_of(g[i].dtype()));
     });
   }
-  detail::verify_gradient_memory(p, g, where);
+  detail::verify_gradient_memory(p, g, where, [&](std::size_t i) { return detail::parameter_label(m, i); });
 }
 
 DPARALLEL_NAMESPACE_END
