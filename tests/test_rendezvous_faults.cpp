@@ -1,7 +1,9 @@
-// tcp_rendezvous under faults, on loopback only: a silent
-// connection delays no rank and gets no rank blamed; a master announcing oversized lengths is
-// reported with what was read and the limit; absurd world sizes are refused before any
-// allocation; a RANK too long to be a rank is "out of range".
+// tcp_rendezvous under faults, on loopback only: a silent connection delays no rank and gets no
+// rank blamed; a master announcing oversized lengths is reported with what was read and the
+// limit; absurd world sizes are refused before any allocation; a RANK too long to be a rank is
+// "out of range"; a rendezvous that failed on rank 0 is told to the ranks that connect later; a
+// job token keeps out hellos without it; rank 0's error text is escaped on the peers; unfinished
+// hellos hold at most the pending-bytes budget; a master that ends before answering is named so.
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/rendezvous.hpp>
 
@@ -84,16 +86,19 @@ std::thread fake_master(int listen_fd, std::vector<unsigned char> reply) {
   });
 }
 
-std::string client_error(int port) {
+/// rendezvous_client as rank `rank` of `world` ranks at `port` (with `token`): its error, or "(no error)".
+std::string client_outcome(int port, int rank, int world, std::string token = {}, std::chrono::milliseconds t = 10s) {
   try {
-    dpl::rendezvous_client({.master_addr = "127.0.0.1", .master_port = port, .rank = 1, .world_size = 2,
-                            .timeout = 10s},
-                           {});
+    dpl::rendezvous_client({.master_addr = "127.0.0.1", .master_port = port, .rank = rank, .world_size = world,
+                            .timeout = t, .token = std::move(token)},
+                           bytes_of("blob of " + std::to_string(rank)));
   } catch (dpl::error const& e) {
     return e.what();
   }
   return "(no error)";
 }
+
+std::string client_error(int port) { return client_outcome(port, 1, 2); }
 
 }  // namespace
 
@@ -205,4 +210,137 @@ TEST_CASE("launch: a RANK of 20 digits is out of range, not malformed", "[launch
                     Catch::Contains("RANK") && Catch::Contains("found 12345678901234567890 (out of range)"));
   CHECK_THROWS_WITH(dpl::resolve_launch({}, env({{"RANK", "1\x1b[2J"}, {"WORLD_SIZE", "2"}})),
                     Catch::Contains("'1\\x1b[2J'"));
+}
+
+TEST_CASE("rendezvous faults: rank 0's failure is told to the ranks that connect after it", "[rendezvous][faults]") {
+  // Rank 1 comes with another world size and fails the rendezvous; rank 2 connects afterwards. It
+  // must get rank 0's cause, at once, not "could not connect" at its own timeout.
+  dpl::rendezvous_server server({.master_addr = "127.0.0.1", .master_port = 0, .rank = 0, .world_size = 3,
+                                 .timeout = 8s});
+  int const port = server.port();
+  auto const t0 = std::chrono::steady_clock::now();
+  auto wrong = std::async(std::launch::async, [port] { return client_outcome(port, 1, 4); });
+  auto late = std::async(std::launch::async, [port] {
+    std::this_thread::sleep_for(500ms);  // after rank 0 failed
+    return client_outcome(port, 2, 3, {}, 6s);
+  });
+  std::string msg;
+  try {
+    server.run({});
+  } catch (dpl::comm_error const& e) {
+    msg = e.what();
+  }
+  auto const elapsed = std::chrono::steady_clock::now() - t0;
+  CHECK_THAT(msg, Catch::Contains("rank 1 (from 127.0.0.1:") && Catch::Contains("started with world size 4"));
+  CHECK_THAT(wrong.get(), Catch::Contains("rank 0 reported: rank 1") && Catch::Contains("world size 4"));
+  CHECK_THAT(late.get(), Catch::StartsWith("dparallel: tcp_rendezvous on rank 2: rank 0 reported: rank 1") &&
+                             Catch::Contains("started with world size 4"));
+  CHECK(elapsed < 4s);  // rank 0 stopped serving once every rank was told, well before its 8 s timeout
+}
+
+TEST_CASE("rendezvous faults: with a job token, a hello without it is refused and blamed on no rank",
+          "[rendezvous][faults]") {
+  dpl::rendezvous_server server({.master_addr = "127.0.0.1", .master_port = 0, .rank = 0, .world_size = 2,
+                                 .timeout = 5s, .token = "s3cret-token"});
+  int const port = server.port();
+  auto serving = std::async(std::launch::async, [&server] { return server.run(bytes_of("zero")); });
+  auto const refused = client_outcome(port, 1, 2, "guess");  // answered before the real rank 1 comes
+  CHECK(client_outcome(port, 1, 2, "s3cret-token") == "(no error)");
+  auto const blobs = serving.get();
+  REQUIRE(blobs.size() == 2);
+  CHECK(blobs[1] == bytes_of("blob of 1"));  // the token is not part of the blob
+  CHECK_THAT(refused, Catch::Contains("rendezvous token does not match rank 0's") &&
+                          Catch::Contains("DPARALLEL_RENDEZVOUS_TOKEN") && !Catch::Contains("s3cret"));
+  // Without the token rank 1's seat stays free: a rendezvous with no token admits anyone (the
+  // documented exposure), one with a token only the ranks that know it.
+  dpl::rendezvous_server open({.master_addr = "127.0.0.1", .master_port = 0, .rank = 0, .world_size = 2,
+                               .timeout = 5s, .token = ""});
+  int const open_port = open.port();
+  auto anyone = std::async(std::launch::async, [open_port] { return client_outcome(open_port, 1, 2); });
+  CHECK(open.run({}).size() == 2);
+  CHECK(anyone.get() == "(no error)");
+}
+
+TEST_CASE("rendezvous faults: rank 0's error text is escaped before a peer shows it", "[rendezvous][faults]") {
+  constexpr std::uint32_t magic = 0x44505256;
+  std::string const forged = "bad\x1b[2J\ndparallel: rank 3: all good\x07";
+  auto [fd, port] = listen_loopback();
+  std::vector<unsigned char> reply;
+  for (std::uint32_t v : {magic, 1u, 0u, 0u, static_cast<std::uint32_t>(forged.size())}) put_u32(reply, v);
+  reply.insert(reply.end(), forged.begin(), forged.end());
+  std::thread master = fake_master(fd, reply);
+  std::string const msg = client_error(port);
+  master.join();
+  ::close(fd);
+  CHECK_THAT(msg, Catch::Contains("rank 0 reported: bad\\x1b[2J\\ndparallel: rank 3: all good\\x07"));
+  CHECK(msg.find('\x1b') == std::string::npos);
+  CHECK(msg.find('\n') == std::string::npos);
+}
+
+TEST_CASE("rendezvous faults: unfinished hellos together hold at most the pending-bytes budget",
+          "[rendezvous][faults]") {
+  // Three connections announce a 64 MiB blob each, send 48 MiB and stall. Rank 0 reads them only
+  // up to the budget for all unfinished hellos (128 MiB), drops them at the hello bound (5 s) and
+  // reports how much each had sent: together no more than the budget (144 MiB without it).
+  constexpr std::size_t sent = std::size_t{48} << 20;
+  std::vector<unsigned char> const payload(sent, 0x5a);
+  dpl::rendezvous_server server({.master_addr = "127.0.0.1", .master_port = 0, .rank = 0, .world_size = 2,
+                                 .timeout = 6s});
+  int const port = server.port();
+  std::vector<int> fds;
+  std::vector<std::thread> senders;
+  for (int k = 0; k < 3; ++k) {
+    int const fd = connect_loopback(port);
+    REQUIRE(fd >= 0);
+    fds.push_back(fd);
+    senders.emplace_back([fd, &payload] {
+      std::vector<unsigned char> head;
+      for (std::uint32_t v : {0x44505256u, 2u, 1u, 2u, 64u << 20}) put_u32(head, v);
+      (void)::send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+      std::size_t off = 0;
+      while (off < payload.size()) {
+        ssize_t const k2 = ::send(fd, payload.data() + off, payload.size() - off, MSG_NOSIGNAL);
+        if (k2 <= 0) return;
+        off += static_cast<std::size_t>(k2);
+      }
+    });
+  }
+  std::string msg;
+  try {
+    server.run({});
+  } catch (dpl::timeout_error const& e) {
+    msg = e.what();
+  }
+  for (int fd : fds) ::shutdown(fd, SHUT_RDWR);
+  for (auto& t : senders) t.join();
+  for (int fd : fds) ::close(fd);
+  INFO(msg);
+  std::size_t total = 0;
+  int dropped = 0;
+  std::string const mark = "(sent ";
+  for (auto at = msg.find(mark); at != std::string::npos; at = msg.find(mark, at + 1)) {
+    total += std::stoull(msg.substr(at + mark.size()));
+    ++dropped;
+  }
+  CHECK(dropped == 3);
+  CHECK(total > std::size_t{100} << 20);        // they did send (the budget was used)
+  CHECK(total <= (std::size_t{128} << 20) + 60);  // but not beyond it (+ three 20-byte heads)
+}
+
+TEST_CASE("rendezvous faults: a master that ends before answering is named as such", "[rendezvous][faults]") {
+  auto [fd, port] = listen_loopback();
+  std::thread master([fd = fd] {  // reads the hello's head, then its process "ends"
+    int const c = ::accept(fd, nullptr, nullptr);
+    if (c < 0) return;
+    unsigned char head[20];
+    (void)::recv(c, head, sizeof head, MSG_WAITALL);
+    ::shutdown(c, SHUT_RDWR);
+    ::close(c);
+  });
+  std::string const msg = client_error(port);
+  master.join();
+  ::close(fd);
+  CHECK_THAT(msg, Catch::Contains("rank 0 at 127.0.0.1:") &&
+                      Catch::Contains("by rank 0 before it answered: its process ended (it died, was killed, or "
+                                      "failed on its own: see rank 0's error)"));
 }

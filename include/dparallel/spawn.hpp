@@ -12,7 +12,7 @@
 // process_group beyond its return (the copy keeps that rank's communicator and thread alive). A rank whose function throws aborts the
 // group: the other ranks' pending and later collectives fail at once with a comm_error naming it.
 // A rank whose function returns is closed: peers that wait for a collective it never issued fail
-// at once with a timeout_error naming it, rather than at the timeout.
+// at once with a comm_error naming it ("rank k finished ..."), rather than at the timeout.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>

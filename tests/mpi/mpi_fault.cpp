@@ -5,10 +5,14 @@
 //   mpi_fault missing <timeout_ms>  the last rank skips one all_reduce and then sleeps
 //   mpi_fault avg|count|kind <timeout_ms>  rank 1's third all_reduce differs from rank 0's (avg
 //                                  instead of sum, 999 instead of 1000 elements, a broadcast)
+//   mpi_fault stop <timeout_ms>     over shared memory (the MPI engine's node group): rank 1 stops
+//                                  itself (SIGSTOP) before its 4th all_reduce; the survivors time
+//                                  out and the job must end (MPI_Abort), not wait in MPI_Finalize
 // Every surviving rank prints the error it caught, with the rank the error names:
 //   mpi_fault: rank R: caught comm_error naming rank F: <message>
 // The group keeps MPI's data path (mpi::options::shared_memory = false): these are the MPI
-// engine's failure paths; the shared-memory engine's are in tests/test_shm.cpp.
+// engine's failure paths; the shared-memory engine's are in tests/test_shm.cpp. Scenario `stop`
+// takes the shared-memory switch: how a failure of the node group ends the MPI job.
 #include "../models.hpp"
 
 #include <dparallel/comm/mpi.hpp>
@@ -88,6 +92,15 @@ void mismatched_collective(dpl::process_group const& group, std::string const& s
   }
 }
 
+/// Rank 1 stops (SIGSTOP: alive, never exits, never answers) before its 4th all_reduce.
+void stopped_peer(dpl::process_group const& group) {
+  for (int k = 0; k < 10; ++k) {
+    if (group.rank() == 1 && k == 3) std::raise(SIGSTOP);
+    std::vector<float> v(100, 1.0f);
+    group.all_reduce(dpl::view(v)).wait();
+  }
+}
+
 /// A failure inside a subgroup: parent ranks {1, 0} (group ranks 0 and 1; any further ranks form
 /// another subgroup); parent rank 1 aborts its subgroup, whose members fail naming group rank 0
 /// as parent rank 1.
@@ -103,7 +116,7 @@ void subgroup_failure(dpl::process_group const& group) {
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|avg|count|kind|subgroup <timeout_ms>\n");
+    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|avg|count|kind|subgroup|stop <timeout_ms>\n");
     return 2;
   }
   std::string const scenario = argv[1];
@@ -111,10 +124,13 @@ int main(int argc, char** argv) {
   int rank = -1;
   try {
     auto const group = dpl::mpi::init_process_group(
-        {.timeout = timeout}, {.probe_window = std::chrono::seconds(1), .exit_grace = std::chrono::seconds(3), .shared_memory = false});
+        {.timeout = timeout}, {.probe_window = std::chrono::seconds(1),
+                               .exit_grace = std::chrono::seconds(3),
+                               .shared_memory = scenario == "stop"});
     rank = group.rank();
     if (scenario == "missing") missing_collective(group);
     else if (scenario == "subgroup") subgroup_failure(group);
+    else if (scenario == "stop") stopped_peer(group);
     else if (scenario == "avg" || scenario == "count" || scenario == "kind") mismatched_collective(group, scenario);
     else ddp_training(group, scenario);
     std::printf("mpi_fault: rank %d: finished without error\n", rank);

@@ -8,20 +8,27 @@
 //   // blobs[r] is rank r's blob, on every rank
 //
 // Protocol (one TCP connection per rank r > 0, to rank 0):
-//   r -> 0: "DPRV", version, r, world size, blob length, blob
+//   r -> 0: "DPRV", version, r, world size, length, then the token (length, bytes) and the blob
 //   0 -> r: "DPRV", status 0, then world-size blobs (length, bytes), rank order
 //        or "DPRV", status 1, the rank at fault, a timeout flag, the error message
 // Rank 0 listens on every interface of MASTER_ADDR's address family at MASTER_PORT (as PyTorch's
 // TCPStore does), accepts until all world size - 1 peers said hello or the timeout passed, and
 // checks each hello: a peer with another world size, a rank outside [1, world size) and a rank
 // that connects twice fail the whole rendezvous, and rank 0 sends its error to every connected
-// peer, so all of them fail with the same message. Peers retry connecting (rank 0 may start
-// later) until the timeout, then fail with a timeout_error naming rank 0 and the last socket error.
+// peer, so all of them fail with the same message; after such a failure rank 0 keeps accepting
+// and answers the ranks that connect later with that message, until every rank was told or the
+// timeout passed. Peers retry connecting (rank 0 may start later) until the timeout, then fail
+// with a timeout_error naming rank 0 and the last socket error. Either side says once on stderr,
+// after 10 s, whom it still waits for. With a token (rendezvous_options::token, by default
+// DPARALLEL_RENDEZVOUS_TOKEN), a hello without the same token is answered with an error and not
+// counted; rank 0 never prints a token. Rank 0's error text is escaped (detail::printable) before
+// a peer puts it in its exception.
 // A connection that does not speak the protocol is dropped and does not count. Rank 0 serves all
 // connections at once (poll): a connection that sends no hello (a port scanner, a health check)
 // is dropped after 5 s without delaying the others, and on a timeout only the ranks that never
 // said hello are blamed. The world size is at most max_rendezvous_world_size; rank 0 allocates
-// per rank as ranks arrive. A peer that receives an announced length above the protocol's limits
+// per rank as ranks arrive, and holds at most detail::rdv::max_pending_bytes for all unfinished
+// hellos together (past it, their blobs are read as others finish or are dropped). A peer that receives an announced length above the protocol's limits
 // says what it read and the limit.
 //
 // Errors: invalid_argument for bad options (rank >= world size, port out of range, an address
@@ -33,6 +40,8 @@
 #include <dparallel/comm/rendezvous_options.hpp>
 #include <dparallel/comm/rendezvous_server.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/options.hpp>
+#include <dparallel/io/detail/printable.hpp>
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -69,7 +78,14 @@ inline std::vector<std::vector<std::byte>> rendezvous_client(rendezvous_options 
   rdv::fd_guard conn;
   std::string last_error = "no attempt";
   auto backoff = std::chrono::milliseconds(20);
+  auto note_at = rdv::clock::now() + rdv::waiting_note_after;
   while (!conn.valid()) {
+    if (auto const now = rdv::clock::now(); now >= note_at && rdv::ms_left(deadline) > 0) {
+      warn_to_stderr("tcp_rendezvous on rank " + std::to_string(opts.rank) + ": still waiting for rank 0 at " +
+                     rdv::where(opts) + " (last error: " + last_error + "; " +
+                     std::to_string(rdv::ms_left(deadline) / 1000) + " s left of the timeout)");
+      note_at = deadline;  // once
+    }
     for (addrinfo const* ai = addrs.head; ai != nullptr && !conn.valid(); ai = ai->ai_next) {
       rdv::fd_guard s(::socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
       if (!s.valid()) {
@@ -112,9 +128,14 @@ inline std::vector<std::vector<std::byte>> rendezvous_client(rendezvous_options 
   rdv::put_u32(hello, rdv::version);
   rdv::put_u32(hello, static_cast<std::uint32_t>(opts.rank));
   rdv::put_u32(hello, static_cast<std::uint32_t>(opts.world_size));
-  rdv::put_bytes(hello, mine);
+  rdv::put_u32(hello, static_cast<std::uint32_t>(4 + opts.token.size() + mine.size()));  // the blob: token, then mine
+  rdv::put_bytes(hello, std::as_bytes(std::span(opts.token.data(), opts.token.size())));
+  hello.insert(hello.end(), mine.begin(), mine.end());
   std::string why;
   auto const lost = [&](std::string const& step) {
+    if (why == "the connection was closed" || why == rdv::errno_text(ECONNRESET))
+      why += " by rank 0 before it answered: its process ended (it died, was killed, or failed on its own: see "
+             "rank 0's error)";
     std::string msg = who + step + " rank 0 at " + rdv::where(opts) + " failed: " + why;
     if (why == "timed out")
       throw timeout_error(0, msg + " after " + std::to_string(opts.timeout.count()) +
@@ -145,7 +166,8 @@ inline std::vector<std::vector<std::byte>> rendezvous_client(rendezvous_options 
     }
     std::string msg(len, '\0');
     if (len != 0 && !rdv::recv_all(conn.get(), msg.data(), len, deadline, why)) lost("reading the error of");
-    std::string const text = who + "rank 0 reported: " + msg;
+    // Escaped as file content is: the text comes from the network and must not act on a terminal.
+    std::string const text = who + "rank 0 reported: " + detail::printable(msg, rdv::max_message);
     if (timed_out != 0) throw timeout_error(static_cast<int>(culprit), text);
     throw comm_error(static_cast<int>(culprit), text);
   }

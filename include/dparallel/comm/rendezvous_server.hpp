@@ -8,6 +8,7 @@
 #include <dparallel/comm/detail/rendezvous_io.hpp>
 #include <dparallel/comm/rendezvous_options.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/options.hpp>
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -88,7 +89,10 @@ class rendezvous_server {
     namespace rdv = detail::rdv;
     rdv::validate(opts_, true, mine.size());
     auto const n = static_cast<std::size_t>(opts_.world_size);
-    auto const deadline = rdv::clock::now() + opts_.timeout;
+    auto const started = rdv::clock::now();
+    auto const deadline = started + opts_.timeout;
+    deadline_ = deadline;
+    auto next_note = started + rdv::waiting_note_after;
     std::map<int, peer> peers;  // the ranks that said hello, allocated as they arrive
     peers.emplace(0, peer{rdv::fd_guard(), "rank 0", std::vector<std::byte>(mine.begin(), mine.end())});
     std::vector<pending> waiting;  // connections still sending their hello
@@ -107,11 +111,20 @@ class rendezvous_server {
         }
       }
       if (now >= deadline) fail_timeout(peers, ignored);
-      auto wake = deadline;
+      if (now >= next_note && next_note < deadline) {
+        warn_to_stderr("tcp_rendezvous on rank 0 at " + where() + ": still waiting for " + absent_text(peers) +
+                       " after " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now - started).count()) +
+                       " s (" + std::to_string(rdv::ms_left(deadline) / 1000) + " s left of the timeout)");
+        next_note = deadline;  // once
+      }
+      auto wake = std::min(deadline, next_note);
       for (auto const& w : waiting) wake = std::min(wake, w.hello_deadline);
       std::vector<pollfd> fds;
       fds.push_back({listen_.get(), POLLIN, 0});
-      for (auto const& w : waiting) fds.push_back({w.fd.get(), POLLIN, 0});
+      // Within the budget of bytes held for unfinished hellos, every connection is read; past it,
+      // only the ones still sending their fixed-size head (the others wait for room).
+      bool const room = pending_bytes(waiting) < rdv::max_pending_bytes;
+      for (auto const& w : waiting) fds.push_back({w.fd.get(), static_cast<short>(room || w.got < sizeof w.head ? POLLIN : 0), 0});
       int const left = std::max(1, rdv::ms_left(wake));
       if (::poll(fds.data(), static_cast<nfds_t>(fds.size()), left) <= 0) continue;
       // Hellos first (indices shift when one completes or fails), then new connections.
@@ -119,7 +132,7 @@ class rendezvous_server {
         if (fds[i].revents == 0) continue;
         pending& w = waiting[i - 1];
         std::string why;
-        bool const done = read_hello(w, why);
+        bool const done = read_hello(w, why, rdv::max_pending_bytes - std::min(rdv::max_pending_bytes, pending_bytes(waiting)));
         if (!why.empty()) {
           ignored.push_back(w.name + " (" + why + ")");
           waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
@@ -128,7 +141,7 @@ class rendezvous_server {
         if (!done) continue;
         pending conn = std::move(w);
         waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
-        admit(peers, std::move(conn));
+        if (token_matches(conn, ignored)) admit(peers, std::move(conn));
       }
       if ((fds[0].revents & POLLIN) != 0) accept_all(waiting, ignored);
     }
@@ -188,6 +201,30 @@ class rendezvous_server {
     }
   };
 
+  // The bytes of blobs held for connections that have not finished their hello.
+  static std::size_t pending_bytes(std::vector<pending> const& waiting) noexcept {
+    std::size_t total = 0;
+    for (auto const& w : waiting) total += w.blob.size();
+    return total;
+  }
+
+  // "rank 2" / "ranks 2, 5 and 7 (rank 0 and 1 more are here)": who has not said hello yet.
+  [[nodiscard]] std::string absent_text(std::map<int, peer> const& peers) const {
+    std::vector<int> missing, present;
+    int next = 0;
+    for (auto const& [r, p] : peers) {
+      for (; next < r && missing.size() < 16; ++next) missing.push_back(next);
+      next = r + 1;
+      present.push_back(r);
+    }
+    for (; next < opts_.world_size && missing.size() < 16; ++next) missing.push_back(next);
+    std::size_t const absent = static_cast<std::size_t>(opts_.world_size) - peers.size();
+    std::string text = ranks_text(missing);
+    if (absent > missing.size()) text += " and " + std::to_string(absent - missing.size()) + " more";
+    std::string const here = present.size() <= 16 ? ranks_text(present) : std::to_string(present.size()) + " ranks";
+    return text + " (" + here + (present.size() == 1 ? " is" : " are") + " here)";
+  }
+
   void accept_all(std::vector<pending>& waiting, std::vector<std::string>& ignored) {
     namespace rdv = detail::rdv;
     for (;;) {
@@ -207,7 +244,8 @@ class rendezvous_server {
 
   // Reads what has arrived of a hello: true when it is complete; `why` set when the connection
   // does not speak the protocol or went away.
-  static bool read_hello(pending& w, std::string& why) {
+  // At most `room` bytes of blob are read (the budget of all unfinished hellos).
+  static bool read_hello(pending& w, std::string& why, std::size_t room = detail::rdv::max_hello_blob) {
     namespace rdv = detail::rdv;
     for (;;) {
       std::size_t const head_size = sizeof w.head;
@@ -220,7 +258,9 @@ class rendezvous_server {
         std::size_t const blob_len = w.field(4);
         std::size_t const have = w.got - head_size;
         if (have == blob_len) return true;
-        want = std::min<std::size_t>(blob_len - have, 1 << 16);
+        want = std::min<std::size_t>({blob_len - have, 1 << 16, room});
+        if (want == 0) return false;  // no room: read on once other hellos finished or were dropped
+        room -= want;
         w.blob.resize(have + want);  // grows with what arrives, not with what is announced
         dst = w.blob.data() + have;
       }
@@ -249,15 +289,53 @@ class rendezvous_server {
               std::to_string(rdv::version);
         return false;
       }
-      if (before < head_size && w.got >= head_size && w.field(4) > rdv::max_blob) {
+      if (before < head_size && w.got >= head_size && w.field(4) > rdv::max_hello_blob) {
         why = "announced a blob of " + std::to_string(w.field(4)) + " bytes, more than the limit of " +
-              std::to_string(rdv::max_blob);
+              std::to_string(rdv::max_hello_blob);
         return false;
       }
     }
   }
 
   // A complete hello: checks it against the others (failing everyone on a conflict) and keeps it.
+  // False (and the connection answered and dropped, the token never printed) when its hello does
+  // not carry the job's token; otherwise strips the token from the blob.
+  bool token_matches(pending& conn, std::vector<std::string>& ignored) const {
+    namespace rdv = detail::rdv;
+    std::uint32_t len = 0;
+    bool ok = conn.blob.size() >= 4;
+    if (ok) {
+      std::uint32_t be = 0;
+      std::memcpy(&be, conn.blob.data(), 4);
+      len = ntohl(be);
+      ok = len <= rdv::max_token && conn.blob.size() >= 4 + std::size_t{len};
+    }
+    if (ok) {
+      // Compared in time independent of where the tokens differ.
+      unsigned diff = len == opts_.token.size() ? 0u : 1u;
+      for (std::size_t i = 0; i < len; ++i)
+        diff |= static_cast<unsigned>(conn.blob[4 + i]) ^
+                static_cast<unsigned char>(opts_.token.empty() ? 0 : opts_.token[i % opts_.token.size()]);
+      ok = diff == 0;
+    }
+    if (ok) {
+      conn.blob.erase(conn.blob.begin(), conn.blob.begin() + 4 + static_cast<std::ptrdiff_t>(len));
+      return true;
+    }
+    std::string const msg = std::string("this connection's rendezvous token does not match rank 0's: every rank of "
+                                        "the job must be given the same ") + rdv::token_variable;
+    std::vector<std::byte> reply;
+    rdv::put_u32(reply, rdv::magic);
+    rdv::put_u32(reply, 1);
+    rdv::put_u32(reply, 0);
+    rdv::put_u32(reply, 0);
+    rdv::put_bytes(reply, std::as_bytes(std::span(msg.data(), msg.size())));
+    std::string why;
+    rdv::send_all(conn.fd.get(), reply.data(), reply.size(), rdv::clock::now() + std::chrono::seconds(1), why);
+    ignored.push_back(conn.name + " (a hello without the job's rendezvous token)");
+    return false;
+  }
+
   void admit(std::map<int, peer>& peers, pending conn) {
     auto const r = static_cast<std::int32_t>(conn.field(2));
     auto const w = static_cast<std::int32_t>(conn.field(3));
@@ -282,30 +360,21 @@ class rendezvous_server {
 
   [[noreturn]] void fail_timeout(std::map<int, peer>& peers, std::vector<std::string> const& ignored) {
     // Only ranks that never said hello are blamed; the ones here are waiting for them.
-    std::vector<int> missing, present;
-    int next = 0;
-    for (auto const& [r, p] : peers) {
-      for (; next < r && missing.size() < 16; ++next) missing.push_back(next);
-      next = r + 1;
-      present.push_back(r);
-    }
-    for (; next < opts_.world_size && missing.size() < 16; ++next) missing.push_back(next);
-    std::size_t const absent = static_cast<std::size_t>(opts_.world_size) - peers.size();
-    std::string text = ranks_text(missing);
-    if (absent > missing.size()) text += " and " + std::to_string(absent - missing.size()) + " more";
-    std::string here = present.size() <= 16 ? ranks_text(present) : std::to_string(present.size()) + " ranks";
+    int first_missing = 0;
+    while (peers.count(first_missing) != 0) ++first_missing;
     std::string msg = "rendezvous at " + where() + " timed out after " + std::to_string(opts_.timeout.count()) +
-                      " ms: " + text + (absent == 1 ? " never connected (" : " never connected (") + here +
-                      (present.size() == 1 ? " is" : " are") + " here). Start all " +
-                      std::to_string(opts_.world_size) + " ranks with the same MASTER_ADDR and MASTER_PORT and "
-                      "WORLD_SIZE=" + std::to_string(opts_.world_size) + ", or raise the timeout";
+                      " ms: " + absent_text(peers);
+    auto const never = msg.rfind(" (");
+    msg.insert(never, " never connected");
+    msg += ". Start all " + std::to_string(opts_.world_size) + " ranks with the same MASTER_ADDR and MASTER_PORT and "
+           "WORLD_SIZE=" + std::to_string(opts_.world_size) + ", or raise the timeout";
     if (!ignored.empty()) {
       msg += "; ignored " + std::to_string(ignored.size()) + " connection(s) that did not speak the protocol:";
       for (std::size_t i = 0; i < ignored.size() && i < 8; ++i) msg += " " + ignored[i];
       if (ignored.size() > 8) msg += " ...";
     }
     detail::rdv::fd_guard none;
-    fail(peers, none, missing[0], true, msg);
+    fail(peers, none, first_missing, true, msg);
   }
 
   // Tells every connected peer (and `extra`, the connection at fault), then throws on rank 0.
@@ -327,11 +396,59 @@ class rendezvous_server {
     for (auto const& [r, p] : peers) tell(p.fd);
     tell(extra);
     std::string const text = "dparallel: tcp_rendezvous on rank 0: " + msg;
+    if (!timed_out) {
+      // The ranks that have not connected yet would otherwise retry until their timeout and then
+      // say only that rank 0 cannot be reached: rank 0 answers them with this error as they come.
+      std::vector<char> told(static_cast<std::size_t>(opts_.world_size), 0);
+      told[0] = 1;
+      for (auto const& [r, p] : peers) told[static_cast<std::size_t>(r)] = 1;
+      if (culprit > 0 && culprit < opts_.world_size) told[static_cast<std::size_t>(culprit)] = 1;
+      if (std::find(told.begin(), told.end(), 0) != told.end()) {
+        warn_to_stderr("tcp_rendezvous on rank 0 failed: " + msg + ". Rank 0 answers the ranks still to come with "
+                       "this error (for up to " + std::to_string(rdv::ms_left(deadline_) / 1000) + " s) before it throws");
+        tell_latecomers(reply, told);
+      }
+    }
     if (timed_out) throw timeout_error(culprit, text);
     throw comm_error(culprit, text);
   }
 
+  // After a failure: accepts the connections still to come until every rank was told or the
+  // deadline, reads each hello (so that closing sends no reset) and answers it with `reply`.
+  void tell_latecomers(std::vector<std::byte> const& reply, std::vector<char>& told) {
+    namespace rdv = detail::rdv;
+    std::vector<pending> waiting;
+    std::vector<std::string> ignored;
+    while (std::find(told.begin(), told.end(), 0) != told.end() && rdv::clock::now() < deadline_) {
+      auto const now = rdv::clock::now();
+      std::erase_if(waiting, [&](pending const& w) { return w.hello_deadline <= now; });
+      std::vector<pollfd> fds;
+      fds.push_back({listen_.get(), POLLIN, 0});
+      bool const room = pending_bytes(waiting) < rdv::max_pending_bytes;
+      for (auto const& w : waiting) fds.push_back({w.fd.get(), static_cast<short>(room || w.got < sizeof w.head ? POLLIN : 0), 0});
+      auto wake = deadline_;
+      for (auto const& w : waiting) wake = std::min(wake, w.hello_deadline);
+      if (::poll(fds.data(), static_cast<nfds_t>(fds.size()), std::max(1, rdv::ms_left(wake))) <= 0) continue;
+      for (std::size_t i = fds.size(); i-- > 1;) {
+        if (fds[i].revents == 0) continue;
+        pending& w = waiting[i - 1];
+        std::string why;
+        bool const done = read_hello(w, why, rdv::max_pending_bytes - std::min(rdv::max_pending_bytes, pending_bytes(waiting)));
+        if (done && token_matches(w, ignored)) {
+          auto const r = static_cast<std::int32_t>(w.field(2));
+          std::string ignore;
+          if (rdv::send_all(w.fd.get(), reply.data(), reply.size(), rdv::clock::now() + std::chrono::seconds(2), ignore) &&
+              r > 0 && r < opts_.world_size)
+            told[static_cast<std::size_t>(r)] = 1;
+        }
+        if (done || !why.empty()) waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(i - 1));
+      }
+      if ((fds[0].revents & POLLIN) != 0) accept_all(waiting, ignored);
+    }
+  }
+
   rendezvous_options opts_;
+  detail::rdv::clock::time_point deadline_{};
   detail::rdv::fd_guard listen_;
   int port_ = 0;
 };

@@ -25,7 +25,9 @@
 //
 // Failures never hang: a rank that does not arrive within the timeout (timeout_error naming it),
 // a rank whose process died (comm_error naming it, found within milliseconds while its peers
-// wait), abort() on any rank, mismatched collectives (comm_error showing both calls), and invalid
+// wait; a rank in another PID namespace, e.g. another container sharing /dev/shm, only at the
+// timeout), a rank that finished (destroyed its group) while its peers wait for a collective
+// (comm_error naming it, at once), abort() on any rank, mismatched collectives (comm_error showing both calls), and invalid
 // arguments (invalid_argument on the caller, the group aborted) fail every pending and future
 // collective of every rank. A failed group stays failed.
 //

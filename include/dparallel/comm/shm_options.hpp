@@ -19,7 +19,8 @@ struct options {
   /// every rank computes its result); larger ones go in chunks, with two meetings per chunk.
   std::size_t small_bytes = std::size_t{64} << 10;
   /// Bytes per rank of one chunk of a large collective: the segment holds (ranks + 1) chunks plus
-  /// 2 x ranks small slots (only the pages used are backed by memory).
+  /// 2 x ranks small slots, all reserved in /dev/shm when the group is made (a /dev/shm too small
+  /// for them is an error on every rank, naming the bytes).
   std::size_t chunk_bytes = std::size_t{4} << 20;
   /// Bytes per rank of group memory: what process_group::allocate hands out in the segment, so
   /// that an all_reduce or reduce of a buffer every rank allocated there reads and writes the

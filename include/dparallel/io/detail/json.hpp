@@ -33,8 +33,10 @@ DPARALLEL_NAMESPACE_BEGIN
 
 namespace detail::json {
 
-/// Deepest nesting the reader accepts; a safetensors header needs 3 levels.
-inline constexpr int max_depth = 64;
+/// Most arrays and objects one inside another the reader accepts, the document's own included:
+/// 127, as the reference safetensors reader (serde_json, whose recursion limit of 128 refuses
+/// the 128th), so that every header it reads is read here too. A safetensors header needs 2.
+inline constexpr int max_depth = 127;
 
 using detail::utf8_sequence;
 
@@ -219,9 +221,10 @@ class cursor {
   /// Skips one value of any kind, checking its grammar but keeping nothing. `depth` is the
   /// nesting level of the value (the document is level 0).
   void skip_value(int depth) {
-    if (depth > max_depth) fail(i_, "nesting deeper than " + std::to_string(max_depth) + " levels");
     char const c = peek();
     if (c == '{' || c == '[') {
+      // An array or object at level `depth` is the (depth + 1)-th container, counting the document.
+      if (depth >= max_depth) fail(i_, "nesting deeper than " + std::to_string(max_depth) + " levels");
       ++i_;
       char const close = c == '{' ? '}' : ']';
       for (bool first = true; more(close, first);) {

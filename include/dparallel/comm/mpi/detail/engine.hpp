@@ -129,10 +129,19 @@ class mpi_engine {
     std::lock_guard lock(m_);
     return stopping_;
   }
-  /// A reason to end the job with MPI_Abort at exit (the first one is kept).
-  void must_abort(std::string why) {
+  /// A reason to end the job with MPI_Abort at exit (the first one is kept). `lead`: this rank
+  /// calls MPI_Abort at once; otherwise it gives a leading rank 5 s first.
+  void must_abort(std::string why, bool lead = true) {
     std::lock_guard lock(m_);
     if (abort_reason_.empty()) abort_reason_ = std::move(why);
+    lead_abort_ = lead_abort_ || lead;
+  }
+  /// Asked when the engine stops, before MPI_Finalize: a reason to end the job with MPI_Abort
+  /// (passed to must_abort with whether this rank leads), or an empty string. For groups MPI does
+  /// not run itself (the shared-memory switch), whose failures MPI_Finalize cannot see.
+  void watch_exit(std::function<std::pair<std::string, bool>()> check) {
+    std::lock_guard lock(m_);
+    exit_checks_.push_back(std::move(check));
   }
 
  private:
@@ -194,12 +203,22 @@ class mpi_engine {
         std::lock_guard lock(m_);
         comms = comms_;
       }
-      bool leader = !abort_reason_.empty();  // a set-up that timed out: no handshake to elect anyone
+      std::vector<std::function<std::pair<std::string, bool>()>> checks;
+      {
+        std::lock_guard lock(m_);
+        checks.swap(exit_checks_);
+      }
+      for (auto& check : checks) {
+        auto [why, lead] = check();
+        if (!why.empty()) must_abort(std::move(why), lead);
+      }
+      // A set-up that timed out, or a failed node group: no handshake to elect anyone.
+      bool leader = lead_abort_;
       for (auto& c : comms) {
         c->mark_stopped();
         if (c->failed()) {
           if (auto p = c->exit_problem(); !p.empty()) {
-            must_abort(p);
+            must_abort(p, false);
             leader = leader || c->abort_leader();
           }
         }
@@ -299,6 +318,8 @@ class mpi_engine {
   bool woken_ = false;
   bool stopping_ = false;
   std::string abort_reason_;
+  bool lead_abort_ = false;
+  std::vector<std::function<std::pair<std::string, bool>()>> exit_checks_;
 
   std::mutex shutdown_m_;  // stop_and_settle
   std::mutex finalize_m_;  // the MPI_Finalize part of shutdown (MPI_Comm_delete_attr re-enters shutdown)

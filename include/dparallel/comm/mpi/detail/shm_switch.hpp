@@ -50,6 +50,21 @@ struct mpi_comm_owner {
   }
 };
 
+/// Why a failed node group must end the MPI job with MPI_Abort, empty when MPI_Finalize can end
+/// it: a rank that did not arrive within the timeout (stopped, hung: it may never reach
+/// MPI_Finalize, which would wait for it for ever) or whose process died. A failure every rank
+/// learns at once (an abort, mismatched collectives, a rank that finished) leaves every process
+/// free to finalise. `lead`: whether this rank calls MPI_Abort first (the lowest rank not at
+/// fault; the others give it 5 s).
+inline std::pair<std::string, bool> shm_exit_problem(shm_group const& g) {
+  if (!g.failed()) return {};
+  auto const [f, cause] = g.failure_and_cause();
+  if (cause == shm_fail_cause::reported) return {};
+  int const leader = f.rank == 0 && g.size() > 1 ? 1 : 0;
+  return {"its shared-memory group failed on rank " + std::to_string(g.rank()) + " (" + f.reason + ")",
+          g.rank() == leader};
+}
+
 /// The shared-memory group of the ranks of `parent` when they all share this node and `opts`
 /// allow it (shared_memory, rank_order, not cuda_aware); nullopt otherwise (the same answer on
 /// every rank). Every rank of `parent` must call it, after constructing its MPI communicator.
@@ -94,8 +109,22 @@ inline std::optional<process_group> mpi_shared_memory_group(MPI_Comm parent, std
     }
     return bytes;
   };
-  auto group = join_shm_group(rank, size, share, timeout, shm::options{});
+  std::shared_ptr<shm_group> group;
+  try {
+    group = join_shm_group(rank, size, share, timeout, shm::options{});
+  } catch (timeout_error const& e) {
+    engine->must_abort(std::string("setting up its shared-memory group failed: ") + e.what());
+    throw;
+  }
   group->set_parent_ranks(std::move(parent_ranks));
+  // The group's failure reaches the engine's exit: when the group is destroyed, or at exit if it lives.
+  group->on_failed_release([engine](shm_group const& g) {
+    if (auto [why, lead] = shm_exit_problem(g); !why.empty()) engine->must_abort(std::move(why), lead);
+  });
+  engine->watch_exit([w = std::weak_ptr<shm_group>(group)]() -> std::pair<std::string, bool> {
+    if (auto g = w.lock()) return shm_exit_problem(*g);
+    return {};
+  });
   return process_group(std::make_shared<shm::communicator>(std::move(group), timeout));
 }
 

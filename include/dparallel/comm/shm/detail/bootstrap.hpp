@@ -11,6 +11,7 @@
 #include <dparallel/comm/shm/detail/group.hpp>
 #include <dparallel/comm/shm/detail/segment.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/io/detail/printable.hpp>
 
 #include <dirent.h>
 #include <unistd.h>
@@ -20,18 +21,34 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
 inline void shm_setup_fail(std::string const& what) { throw invalid_argument("dparallel: shm::make_group: " + what); }
+
+/// The first character of the "name" rank 0 shares when it could not make the segment (a real
+/// name starts with '/'), followed by its error message.
+inline constexpr char shm_failure_tag = '!';
+
+/// What rank 0 shares instead of a token and a name when its set-up failed: a zero token, the tag
+/// and `why` (at most 4 KiB of it), so that every rank reports rank 0's cause at once.
+inline std::vector<std::byte> shm_failure_bytes(std::string_view why) {
+  why = why.substr(0, 4096);
+  std::vector<std::byte> b(2 * sizeof(std::uint64_t) + 1 + why.size(), std::byte{0});
+  b[2 * sizeof(std::uint64_t)] = static_cast<std::byte>(shm_failure_tag);
+  std::memcpy(b.data() + 2 * sizeof(std::uint64_t) + 1, why.data(), why.size());
+  return b;
+}
 
 inline std::string shm_segment_name(shm::options const& opts) {
   if (!opts.job_id.empty()) {
@@ -50,7 +67,7 @@ inline std::string shm_segment_name(shm::options const& opts) {
 }
 
 /// Unlinks the randomly named segments ("/dparallel-<pid>-<16 hex digits>") in /dev/shm whose
-/// creating process is gone: left by a rank 0 that died before every rank had mapped its segment
+/// creating process is gone (one of another PID namespace is left alone): left by a rank 0 that died before every rank had mapped its segment
 /// (the only window in which a name exists). Linux only; elsewhere a no-op.
 inline void sweep_stale_segments() {
 #if defined(__linux__)
@@ -66,7 +83,10 @@ inline void sweep_stale_segments() {
     std::string const pid = name.substr(prefix.size(), dash - prefix.size());
     if (pid.size() > 9 || pid.find_first_not_of("0123456789") != std::string::npos) continue;
     if (name.find_first_not_of("0123456789abcdef", dash + 1) != std::string::npos) continue;
-    if (process_gone(std::stoll(pid))) stale.push_back("/" + name);
+    // The name's process id means something only in the creator's PID namespace (the header's).
+    shm_creator const c = shm_creator_of("/" + name);
+    bool const gone = c.pid != 0 ? c.gone() : process_gone(std::stoll(pid));
+    if (gone) stale.push_back("/" + name);
   }
   ::closedir(d);
   for (auto const& n : stale) ::shm_unlink(n.c_str());
@@ -95,15 +115,28 @@ inline std::shared_ptr<shm_group> join_shm_group(int rank, int n, shm::bootstrap
 
   std::unique_ptr<shm_segment> seg;
   std::vector<std::byte> mine;
+  std::exception_ptr failed;  // rank 0's set-up failure, handed to every rank through the bootstrap
   if (rank == 0) {
-    if (opts.job_id.empty()) sweep_stale_segments();
-    seg = shm_segment::create(shm_segment_name(opts), layout);
-    std::string const& name = seg->name();
-    mine.resize(sizeof seg->header().token + name.size());
-    std::memcpy(mine.data(), seg->header().token, sizeof seg->header().token);
-    std::memcpy(mine.data() + sizeof seg->header().token, name.data(), name.size());
+    try {
+      if (opts.job_id.empty()) sweep_stale_segments();
+      seg = shm_segment::create(shm_segment_name(opts), layout);
+      std::string const& name = seg->name();
+      mine.resize(sizeof seg->header().token + name.size());
+      std::memcpy(mine.data(), seg->header().token, sizeof seg->header().token);
+      std::memcpy(mine.data() + sizeof seg->header().token, name.data(), name.size());
+    } catch (std::exception const& e) {
+      failed = std::current_exception();
+      mine = shm_failure_bytes(e.what());
+    }
   }
-  std::vector<std::byte> const root = n > 1 ? share(mine) : mine;
+  std::vector<std::byte> root;
+  try {
+    root = n > 1 ? share(mine) : mine;
+  } catch (...) {
+    if (failed) std::rethrow_exception(failed);  // rank 0's own cause, not the bootstrap's
+    throw;
+  }
+  if (failed) std::rethrow_exception(failed);
   std::uint64_t token[2] = {0, 0};
   if (root.size() <= sizeof token)
     throw comm_error(0, "dparallel: shm::make_group on rank " + std::to_string(rank) + ": the bootstrap delivered " +
@@ -111,6 +144,10 @@ inline std::shared_ptr<shm_group> join_shm_group(int rank, int n, shm::bootstrap
   if (rank != 0) {
     std::memcpy(token, root.data(), sizeof token);
     std::string const name(reinterpret_cast<char const*>(root.data()) + sizeof token, root.size() - sizeof token);
+    if (name.front() == shm_failure_tag)
+      throw comm_error(0, "dparallel: shm::make_group on rank " + std::to_string(rank) +
+                              ": rank 0 could not set up the shared-memory group: " +
+                              printable(std::string_view(name).substr(1), 4096));
     seg = shm_segment::open(name, token, n);
   }
   auto group = std::make_shared<shm_group>(std::move(seg), rank);

@@ -22,6 +22,7 @@
 #include <dparallel/comm/shm/detail/arena.hpp>
 #include <dparallel/comm/shm/detail/segment.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/options.hpp>
 #include <dparallel/core/spin.hpp>
 
 #include <unistd.h>
@@ -33,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -56,6 +58,13 @@ class shm_group {
         arena_(*seg_, seg_->layout().arena_at(rank), seg_->layout().arena) {}
   shm_group(shm_group const&) = delete;
   shm_group& operator=(shm_group const&) = delete;
+  ~shm_group() {
+    if (on_release_ && failed()) on_release_(*this);
+  }
+
+  /// Called when the group is destroyed after it failed (the MPI switch: a failure that may keep
+  /// a peer out of MPI_Finalize ends the job with MPI_Abort). Set before the group is shared.
+  void on_failed_release(std::function<void(shm_group const&)> f) { on_release_ = std::move(f); }
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return n_; }
@@ -71,6 +80,7 @@ class shm_group {
   /// one unlinks its name). Throws timeout_error naming the ranks that never mapped it, or the
   /// group's failure; the name is unlinked either way.
   void join(std::chrono::milliseconds timeout) {
+    seg_->slot(rank_).pidns = pidns_;
     shm_word(seg_->slot(rank_).pid).store(::getpid(), std::memory_order_release);
     auto const was = shm_word(seg_->header().mapped).fetch_add(1, std::memory_order_acq_rel);
     if (was + 1 == static_cast<std::uint64_t>(n_)) seg_->unlink();
@@ -78,13 +88,28 @@ class shm_group {
     auto const all_mapped = [&] {
       return shm_word(seg_->header().mapped).load(std::memory_order_acquire) >= static_cast<std::uint64_t>(n_);
     };
-    bool const ok = wait_for(all_mapped, deadline_after(timeout), [&] {
+    auto const unmapped = [&] {
       std::vector<int> missing;
       for (int j = 0; j < n_; ++j)
         if (shm_word(seg_->slot(j).pid).load(std::memory_order_acquire) == 0) missing.push_back(j);
       if (missing.empty()) missing.push_back(rank_);
+      return missing;
+    };
+    auto const deadline = deadline_after(timeout);
+    // A rank missing for a while is said once on stderr, well before the timeout names it.
+    auto const note_at = clock::now() + std::chrono::seconds(10);
+    bool noted = false;
+    bool ok = note_at < deadline && wait_for(all_mapped, note_at, [&] { noted = true; });
+    if (!ok && noted && !failed()) {
+      warn_to_stderr("shm: rank " + std::to_string(rank_) + " is still waiting for " + describe_ranks(unmapped()) +
+                     " to map shared-memory segment " + seg_->name() + " (" + std::to_string(n_) + " ranks; " +
+                     std::to_string(std::chrono::duration_cast<std::chrono::seconds>(deadline - clock::now()).count()) +
+                     " s left of the timeout)");
+    }
+    if (!ok && !failed()) ok = wait_for(all_mapped, deadline, [&] {
+      std::vector<int> const missing = unmapped();
       std::string const who = describe_ranks(missing);
-      set_failure(missing[0], true,
+      set_failure(missing[0], shm_fail_cause::timeout,
                   who + " did not map shared-memory segment " + seg_->name() +
                       " within " + std::to_string(timeout.count()) + " ms (rank " + std::to_string(rank_) +
                       " waited for it while setting up the group); every rank must create its group, and a rank "
@@ -145,7 +170,7 @@ class shm_group {
     for (int j = 1; j < n_; ++j) {
       comm_call const other = call_of(j, seq);
       if (!matches(first, other)) {
-        set_failure(j, false,
+        set_failure(j, shm_fail_cause::reported,
                     "mismatched collectives #" + std::to_string(seq) + ": rank 0 called " + describe(first) +
                         " but rank " + std::to_string(j) + " called " + describe(other) +
                         ". Every rank must issue the same collectives, with the same element counts, dtypes, roots "
@@ -158,7 +183,7 @@ class shm_group {
 
   /// Fails the group (unless it failed already), naming `rank`.
   void abort(int rank, std::string const& why) {
-    set_failure(rank, false, "rank " + std::to_string(rank) + " aborted the process group: " + why);
+    set_failure(rank, shm_fail_cause::reported, "rank " + std::to_string(rank) + " aborted the process group: " + why);
   }
 
   /// This rank issues no collective after `last_seq`.
@@ -170,7 +195,11 @@ class shm_group {
   [[nodiscard]] bool failed() const { return shm_word(seg_->header().fail_state).load(std::memory_order_acquire) != 0; }
 
   /// The group's failure (call when failed()).
-  [[nodiscard]] comm_failure failure() const {
+  [[nodiscard]] comm_failure failure() const { return failure_and_cause().first; }
+
+  /// The group's failure and its cause (call when failed()); a rank that died while it reported
+  /// the failure counts as died.
+  [[nodiscard]] std::pair<comm_failure, shm_fail_cause> failure_and_cause() const {
     shm_header& h = seg_->header();
     // The writer publishes within microseconds; one that died while writing leaves state 1.
     spin_until([&] { return shm_word(h.fail_state).load(std::memory_order_acquire) == 2; });
@@ -178,11 +207,12 @@ class shm_group {
     while (shm_word(h.fail_state).load(std::memory_order_acquire) != 2 && clock::now() < until)
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     if (shm_word(h.fail_state).load(std::memory_order_acquire) != 2)
-      return {0, false, "a rank died while it reported a failure of the process group"};
+      return {{0, false, "a rank died while it reported a failure of the process group"}, shm_fail_cause::died};
     char text[shm_reason_bytes];
     std::memcpy(text, h.fail_reason, sizeof text);
     text[sizeof text - 1] = '\0';
-    return {h.fail_rank, h.fail_timeout != 0, text};
+    auto const cause = static_cast<shm_fail_cause>(h.fail_cause);
+    return {{h.fail_rank, cause == shm_fail_cause::timeout, text}, cause};
   }
 
   [[nodiscard]] std::exception_ptr error(std::uint64_t seq, comm_call const& call) const {
@@ -208,12 +238,12 @@ class shm_group {
     if (shm_word(h.sleepers).load(std::memory_order_seq_cst) != 0) shm_futex_wake_all(h.epoch);
   }
 
-  void set_failure(int rank, bool timeout, std::string const& reason) {
+  void set_failure(int rank, shm_fail_cause cause, std::string const& reason) {
     shm_header& h = seg_->header();
     std::uint32_t expected = 0;
     if (!shm_word(h.fail_state).compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) return;
     h.fail_rank = rank;
-    h.fail_timeout = timeout ? 1 : 0;
+    h.fail_cause = static_cast<std::uint32_t>(cause);
     std::size_t const len = std::min(reason.size(), shm_reason_bytes - 1);
     std::memcpy(h.fail_reason, reason.data(), len);
     h.fail_reason[len] = '\0';
@@ -263,7 +293,7 @@ class shm_group {
       if (seq != 0) {
         auto const closed = shm_word(s.closed).load(std::memory_order_acquire);
         if (closed < seq) {
-          set_failure(j, true,
+          set_failure(j, shm_fail_cause::reported,
                       "rank " + std::to_string(j) + " finished (its process_group was destroyed or closed) after "
                       "issuing " + std::to_string(closed) + " collective" + (closed == 1 ? "" : "s") +
                           ", so it will never call collective #" + std::to_string(seq) + ", which rank " +
@@ -273,8 +303,9 @@ class shm_group {
         }
       }
       auto const pid = shm_word(s.pid).load(std::memory_order_acquire);
-      if (pid != 0 && process_gone(pid)) {
-        set_failure(j, false,
+      // Only a process of this PID namespace can be probed (its pidns was written before its pid).
+      if (pid != 0 && s.pidns == pidns_ && process_gone(pid)) {
+        set_failure(j, shm_fail_cause::died,
                     "rank " + std::to_string(j) + " (process " + std::to_string(pid) +
                         ") died or exited while the group was in use (rank " + std::to_string(rank_) +
                         " found it gone while it waited" +
@@ -298,14 +329,16 @@ class shm_group {
     if (!present.empty()) msg += " (" + describe_ranks(present) + " had reached it)";
     msg += ". Every rank must issue the same collectives in the same order; if " + who +
            (missing.size() == 1 ? " is" : " are") + " only slow, raise the timeout (process_group::set_timeout)";
-    set_failure(missing[0], true, msg);
+    set_failure(missing[0], shm_fail_cause::timeout, msg);
   }
 
   std::unique_ptr<shm_segment> seg_;
   int rank_;
   int n_;
+  std::function<void(shm_group const&)> on_release_;
   std::vector<int> parent_ranks_;  // a subgroup's members in its parent; empty otherwise
   std::uint64_t step_ = 0;  // the communication thread's only
+  std::uint64_t const pidns_ = pid_namespace_id();
   shm_arena arena_;
 };
 

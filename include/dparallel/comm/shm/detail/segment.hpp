@@ -14,8 +14,12 @@
 // group made on the node removes it (shm/detail/bootstrap.hpp, sweep_stale_segments).
 // A name that exists already (a segment left by an earlier job that crashed during its setup,
 // with the same shm::options::job_id) is replaced when the process that created it is gone, and
-// is a clear error when that process still runs.
+// is a clear error when that process still runs (or lives in another PID namespace, where its
+// number cannot be checked: the header records the creator's PID namespace, each slot its rank's).
 //
+// Memory. Rank 0 reserves the header, the slots and the chunks at creation (posix_fallocate): a
+// /dev/shm that cannot hold them is an error naming the bytes needed and free (handed to every
+// rank through the bootstrap), never a SIGBUS at first touch.
 // Group memory. Past the chunks, each rank has a region of options::arena_bytes (rounded up to
 // pages) that process_group::allocate hands out (shm/detail/arena.hpp). The file is sized to hold
 // them but is sparse: a page takes memory once it is reserved (fallocate, so a full /dev/shm is an
@@ -30,6 +34,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/types.h>
 #include <unistd.h>
 #if defined(__linux__)
@@ -60,8 +65,16 @@ DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x4450'4152'5348'4d31ull;  // "DPARSHM1"
-inline constexpr std::uint64_t shm_version = 2;
+inline constexpr std::uint64_t shm_version = 3;
 inline constexpr std::size_t shm_reason_bytes = 1024;
+
+/// Why a shared-memory group failed (the header's fail_cause): what the error type and the end of
+/// an MPI job depend on.
+enum class shm_fail_cause : std::uint32_t {
+  reported = 0,  ///< a live rank reported it (abort, mismatched collectives, invalid arguments, a rank that finished)
+  timeout = 1,   ///< a rank did not arrive within the timeout (slow, stopped, hung)
+  died = 2,      ///< a rank's process is gone
+};
 
 /// A collective's descriptor as a rank publishes it in its slot (what must match across ranks).
 struct shm_call_record {
@@ -81,6 +94,7 @@ struct alignas(64) shm_rank_slot {
   alignas(8) std::uint64_t step;    // barriers this rank has arrived at
   alignas(8) std::uint64_t closed;  // last collective it will issue (max: still open)
   alignas(8) std::int64_t pid;      // its process, once it mapped the segment (0 before)
+  std::uint64_t pidns;              // the PID namespace `pid` is valid in (written before pid)
   shm_call_record calls[2];         // its descriptors, by sequence-number parity
 };
 
@@ -90,6 +104,7 @@ struct alignas(64) shm_header {
   std::uint64_t version;
   std::uint64_t token[2];          // random; the bootstrap carries it with the name
   std::int64_t creator_pid;
+  std::uint64_t creator_pidns;     // the PID namespace creator_pid is valid in
   std::int32_t world;
   std::int32_t pad0;
   std::uint64_t small_bytes;
@@ -100,7 +115,7 @@ struct alignas(64) shm_header {
   std::uint32_t sleepers;              // waiters inside futex_wait
   alignas(64) std::uint32_t fail_state;  // 0 healthy, 1 being written, 2 failed
   std::int32_t fail_rank;
-  std::uint32_t fail_timeout;
+  std::uint32_t fail_cause;            // a shm_fail_cause
   char fail_reason[shm_reason_bytes];
   alignas(64) std::uint64_t mapped;  // ranks that have mapped the segment
 };
@@ -147,6 +162,46 @@ inline bool process_gone(std::int64_t pid) {
   }
 #endif
   return false;
+}
+
+/// This process's PID namespace (the inode of /proc/self/ns/pid), 0 where unknown. Process ids
+/// are compared, and probed with kill(), only between processes of one PID namespace: ranks in
+/// containers that share /dev/shm (--ipc=host) but not their PID namespace see other numbers.
+inline std::uint64_t pid_namespace_id() noexcept {
+#if defined(__linux__)
+  struct stat st{};
+  if (::stat("/proc/self/ns/pid", &st) == 0) return static_cast<std::uint64_t>(st.st_ino);
+#endif
+  return 0;
+}
+
+/// Whether a process `pid` of PID namespace `pidns` is known to be gone: false when it runs, or
+/// when it lives in another PID namespace than this process (its number means nothing here).
+inline bool process_gone_in(std::int64_t pid, std::uint64_t pidns) {
+  return pidns == pid_namespace_id() && process_gone(pid);
+}
+
+/// The creator recorded in segment `name`'s header (pid 0 when it cannot be read).
+struct shm_creator {
+  std::int64_t pid = 0;
+  std::uint64_t pidns = 0;
+  [[nodiscard]] bool gone() const { return process_gone_in(pid, pidns); }
+};
+inline shm_creator shm_creator_of(std::string const& name) {
+  shm_creator c;
+  int const fd = ::shm_open(name.c_str(), O_RDONLY, 0600);
+  if (fd < 0) return c;
+  struct stat st{};
+  if (::fstat(fd, &st) == 0 && static_cast<std::size_t>(st.st_size) >= sizeof(shm_header)) {
+    void* p = ::mmap(nullptr, sizeof(shm_header), PROT_READ, MAP_SHARED, fd, 0);
+    if (p != MAP_FAILED) {
+      c.pid = static_cast<shm_header const*>(p)->creator_pid;
+      c.pidns = static_cast<shm_header const*>(p)->creator_pidns;
+      ::munmap(p, sizeof(shm_header));
+    }
+  }
+  ::close(fd);
+  return c;
 }
 
 /// Sleeps until `word` may differ from `seen` or `max_wait` passed (a futex across processes on
@@ -197,21 +252,22 @@ class shm_segment {
       if (fd < 0) fail("could not create shared-memory segment " + name, errno);
     }
     s->owns_name_ = true;
+    s->fd_ = fd;  // closed by the destructor, which also unlinks the name if anything below fails
     s->bytes_ = layout.total();
     if (::ftruncate(fd, static_cast<off_t>(s->bytes_)) != 0) {
-      int const e = errno;
-      ::close(fd);
       fail("could not size shared-memory segment " + name + " to " + std::to_string(s->bytes_) +
                " bytes (is /dev/shm large enough? lower shm::options::chunk_bytes)",
-           e);
+           errno);
     }
-    s->map(fd);
+    s->reserve_control(layout);
+    s->map(s->fd_);
     shm_header& h = s->header();
     h.version = shm_version;
     std::random_device rd;
     h.token[0] = (std::uint64_t{rd()} << 32) ^ rd();
     h.token[1] = (std::uint64_t{rd()} << 32) ^ rd() ^ static_cast<std::uint64_t>(::getpid());
     h.creator_pid = ::getpid();
+    h.creator_pidns = pid_namespace_id();
     h.world = layout.n;
     h.small_bytes = layout.small;
     h.chunk_bytes = layout.chunk;
@@ -292,6 +348,33 @@ class shm_segment {
 
   [[nodiscard]] std::size_t layout_slots() const noexcept { return shm_layout::round(sizeof(shm_header)); }
 
+  // Backs everything but the group memory (header, slots, small slots, chunks, result: what every
+  // collective touches) with memory now, so that a /dev/shm too small for it is an error here,
+  // naming the bytes, instead of a SIGBUS in the first large collective. Group memory is reserved
+  // when it is allocated (reserve()).
+  void reserve_control(shm_layout const& layout) const {
+#if defined(__linux__)
+    std::size_t const need = layout.arena_at(0);
+    int const rc = ::posix_fallocate(fd_, 0, static_cast<off_t>(need));
+    if (rc == 0) return;
+    if (rc != ENOSPC && rc != EFBIG) fail("could not reserve " + std::to_string(need) + " bytes for shared-memory segment " + name_, rc);
+    struct statvfs fs{};
+    std::string const free_bytes = ::statvfs("/dev/shm", &fs) == 0
+                                       ? std::to_string(static_cast<unsigned long long>(fs.f_bavail) * fs.f_frsize)
+                                       : std::string("an unknown number of");
+    throw comm_error(0, "dparallel: shm: /dev/shm cannot hold shared-memory segment " + name_ + ": a group of " +
+                            std::to_string(layout.n) + " ranks needs " + std::to_string(need) +
+                            " bytes there (header, control slots, and " + std::to_string(layout.n + 1) +
+                            " chunks of shm::options::chunk_bytes = " + std::to_string(layout.chunk) +
+                            "), and /dev/shm has " + free_bytes +
+                            " bytes free. Enlarge /dev/shm (docker run --shm-size=1g, or remount it larger), run "
+                            "fewer ranks or lower shm::options::chunk_bytes, or keep the data out of shared memory "
+                            "(mpi::options::shared_memory = false under MPI)");
+#else
+    (void)layout;
+#endif
+  }
+
   [[noreturn]] static void fail(std::string const& what, int err) {
     throw comm_error(0, "dparallel: shm: " + what + ": " + std::system_category().message(err));
   }
@@ -306,23 +389,13 @@ class shm_segment {
 
   // `name` exists: a segment whose creator is gone is stale and removed; a live creator's is not ours.
   static void replace_stale(std::string const& name) {
-    int const fd = ::shm_open(name.c_str(), O_RDONLY, 0600);
-    if (fd >= 0) {
-      struct stat st{};
-      std::int64_t creator = 0;
-      if (::fstat(fd, &st) == 0 && static_cast<std::size_t>(st.st_size) >= sizeof(shm_header)) {
-        void* p = ::mmap(nullptr, sizeof(shm_header), PROT_READ, MAP_SHARED, fd, 0);
-        if (p != MAP_FAILED) {
-          creator = static_cast<shm_header const*>(p)->creator_pid;
-          ::munmap(p, sizeof(shm_header));
-        }
-      }
-      ::close(fd);
-      if (creator > 0 && creator != ::getpid() && !process_gone(creator)) {
-        throw comm_error(0, "dparallel: shm: shared-memory segment " + name + " exists and its creator, process " +
-                                std::to_string(creator) + ", is still running: another job uses the same job id; "
-                                "give this job another shm::options::job_id");
-      }
+    shm_creator const c = shm_creator_of(name);
+    if (c.pid > 0 && !(c.pid == ::getpid() && c.pidns == pid_namespace_id()) && !c.gone()) {
+      throw comm_error(0, "dparallel: shm: shared-memory segment " + name + " exists and its creator, process " +
+                              std::to_string(c.pid) +
+                              (c.pidns != pid_namespace_id() ? ", runs in another PID namespace (it cannot be checked)"
+                                                             : ", is still running") +
+                              ": another job uses the same job id; give this job another shm::options::job_id");
     }
     ::shm_unlink(name.c_str());  // stale: left by a job that crashed during its setup
   }
