@@ -1,6 +1,6 @@
 #pragma once
-// launch<Semantics>(world, fn): one entry point for DataParallel and DDP. A training function is
-// written once, as fn(session&), and runs as DataParallel (one process, N local devices) or DDP
+// launch<Semantics>(world, fn): one entry point for DataParallel and DDP. One training function,
+// fn(session&), runs as DataParallel (one process, N local devices) or DDP
 // (N thread ranks, or this process's rank of an MPI / torchrun-style group) depending on the
 // Semantics bundle alone:
 //
@@ -143,8 +143,8 @@ class batch_plan {
   void set_epoch(std::uint64_t epoch) {
     for (auto& s : samplers_) s.set_epoch(epoch);
   }
-  /// Continues where a checkpoint's sampler position stands (checkpoint::progress().sampler, as
-  /// position_after wrote it): selects its epoch and returns the step to run next, so that the
+  /// Continues where a checkpoint's sampler position stands (checkpoint::progress().sampler, a
+  /// position_after of the saved run): selects its epoch and returns the step to run next, so that the
   /// rest of the run visits exactly the batches an uninterrupted run would. Throws
   /// invalid_argument when the position is not the start of a step of this plan (another global
   /// batch or world size), lies past the epoch, or was taken in another shuffle order.
@@ -335,8 +335,8 @@ template <class P, class Out>
 /// The mean of a step's loss over every participant's samples, for logging: local_mean under
 /// DataParallel (one process sees the whole batch); under DDP the sample-weighted mean over all
 /// ranks (a collective on the wrapper's group: every rank calls it after the same step, and every
-/// rank gets the same value, so a training function written once prints the same numbers as
-/// DataParallel and DDP).
+/// rank gets the same value, so one training function prints the same numbers under DataParallel
+/// and DDP).
 template <class P, class Out>
 [[nodiscard]] double global_mean(P const& par, Out const& out) {
   double const mine = local_mean(par, out);

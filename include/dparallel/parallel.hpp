@@ -6,7 +6,6 @@
 #include <dparallel/config.hpp>
 #include <dparallel/backend/host/backend.hpp>
 #include <dparallel/comm/communicator.hpp>
-#include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/core/batch.hpp>
 #include <dparallel/core/contract_check.hpp>
 #include <dparallel/core/device.hpp>
@@ -20,6 +19,7 @@
 #include <dparallel/detail/replica_set.hpp>
 #include <dparallel/detail/step_plan.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
+#include <dparallel/detail/wrapper_checks.hpp>
 #include <dparallel/policy/join.hpp>
 #include <dparallel/policy/replica_set.hpp>
 #include <dparallel/semantics.hpp>
@@ -73,18 +73,7 @@ class parallel {
     static_assert(replicable_model<Model>,
                   "dparallel: DataParallel makes a replica per device: give the model a copy constructor, a member "
                   "`M make_replica(device) const`, or model_traits<M>::make_replica(M const&, device)");
-    detail::require(!devices.empty(), "parallel: expected at least one device, found an empty device list");
-    for (std::size_t i = 0; i < devices.size(); ++i) {
-      Backend::check_device(devices[i]);
-      for (std::size_t j = 0; j < i; ++j)
-        detail::require(devices[i] != devices[j], "parallel: expected distinct devices, found " +
-                                                      to_string(devices[i]) + " at positions " + std::to_string(j) +
-                                                      " and " + std::to_string(i));
-    }
-    device const out = opts.output_device.value_or(devices[0]);
-    auto const out_slot = static_cast<std::size_t>(std::find(devices.begin(), devices.end(), out) - devices.begin());
-    detail::require(out_slot < devices.size(),
-                    "parallel: expected output_device to be one of the wrapper's devices, found " + to_string(out));
+    std::size_t const out_slot = detail::check_dp_devices<Backend>(devices, opts);
     verify_model(model, "parallel: the model");
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, devices[0], "parallel: the model's parameter");
 
@@ -104,7 +93,7 @@ class parallel {
     rs_.refresh_views();
     replicate_.on_construct(rs_);
     reduce_.on_construct(rs_);
-    warn_if_devices_differ();
+    detail::warn_if_devices_differ<Backend>(rs_.devices, rs_.opts);
   }
 
   /// DDP: wraps this rank's `model` (by reference) in the process group `group`. Verifies that
@@ -115,14 +104,7 @@ class parallel {
   {
     detail::require(group.valid(), "parallel: expected a process group, found an empty process_group");
     verify_model(model, "DDP on rank " + std::to_string(group.rank()) + ": the model");
-    device const dev = opts.local_device.value_or(default_device(group));
-    Backend::check_device(dev);
-    if (auto const bound = group.bound_device(); bound && bound->kind == Backend::kind)
-      detail::require(bound->index == dev.index, [&] {
-        return "DDP on rank " + std::to_string(group.rank()) + ": expected options::local_device on the device of the "
-               "group's communicator, " + to_string(*bound) + ", found " + to_string(dev) +
-               "; leave local_device unset to take the group's, or make the group on " + to_string(dev);
-      });
+    device const dev = detail::ddp_local_device<Backend>(group, opts);
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
     registration_ = detail::parameter_registry::instance().add(parameter_refs(model), group.rank());
     rs_.master = &model;
@@ -466,21 +448,6 @@ class parallel {
     if constexpr (observing_scatter_policy<scatter_type>) scatter_.observe(p);
   }
 
-  // DataParallel on a backend that describes its devices (static Backend::describe(device)):
-  // one warning through options::warning_sink when they differ by more than 25% in memory or
-  // multiprocessor count (device_mismatch). Several logical devices on one GPU never differ.
-  void warn_if_devices_differ() {
-    if constexpr (requires(device d) {
-                    { Backend::describe(d) } -> std::convertible_to<device_properties>;
-                  }) {
-      if (rs_.size() < 2 || !rs_.opts.warning_sink) return;
-      std::vector<device_properties> props;
-      props.reserve(rs_.size());
-      for (auto const& d : rs_.devices) props.push_back(Backend::describe(d));
-      if (auto line = device_mismatch(props); !line.empty()) rs_.opts.warning_sink(line);
-    }
-  }
-
   // On an exception between the first enqueue and the final synchronize, the streams must finish
   // before the step's locals (which the queued work references) go away.
   struct sync_guard {
@@ -491,24 +458,8 @@ class parallel {
     }
   };
 
-  // A backend whose streams do not follow the caller's own (cuda::backend: non-blocking CUDA
-  // streams) orders them after it first, before anything of a step, or of a shadow step of
-  // join(), is enqueued.
-  void begin_streams() {
-    if constexpr (requires(typename Backend::stream_type& s) { Backend::begin_step(s); })
-      for (auto& s : rs_.streams) Backend::begin_step(*s);
-  }
-
-  // DDP's device when options::local_device is not given: the device the group is bound to when
-  // it is of the backend's kind (an NCCL rank's own GPU, whatever the launch), else the backend's
-  // choice for this rank (CUDA: rank % visible GPUs), else device `rank` of the backend's kind.
-  static device default_device(process_group const& group) {
-    auto const bound = group.bound_device();
-    if constexpr (requires { Backend::default_device(group.rank()); }) {
-      if (!bound || bound->kind != Backend::kind) return Backend::default_device(group.rank());
-    }
-    return detail::default_rank_device(bound, Backend::kind, group.rank(), std::nullopt);
-  }
+  // Each step (and each shadow step of join()) opens its streams first (detail::begin_streams).
+  void begin_streams() { detail::begin_streams<Backend>(rs_.streams); }
 
   static void ready_trampoline(void* self, int replica, std::size_t param) {
     auto* p = static_cast<parallel*>(self);

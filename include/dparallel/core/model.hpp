@@ -356,6 +356,16 @@ std::string parameter_label(M& m, std::size_t i) {
   else if constexpr (traits_parameter_names<M>) return pick(model_traits<M>::parameter_names(m));
   else return std::to_string(i);
 }
+
+/// How errors list parameters `indices` of `m`: their labels, comma-separated, at most `limit`
+/// of them and "..." after. Built on the error path only.
+template <class M>
+std::string parameter_list(M& m, std::vector<std::size_t> const& indices, std::size_t limit = 16) {
+  std::string list;
+  for (std::size_t k = 0; k < indices.size() && k < limit; ++k) list += (k ? ", " : "") + parameter_label(m, indices[k]);
+  if (indices.size() > limit) list += ", ...";
+  return list;
+}
 }  // namespace detail
 
 /// Throws invalid_argument unless every gradient matches its parameter in size and dtype and has

@@ -61,6 +61,15 @@ void synchronize_streams(std::vector<std::unique_ptr<Stream>>& streams) {
   if (first) std::rethrow_exception(first);
 }
 
+/// Orders the streams of a backend that does not follow the caller's own (cuda::backend:
+/// non-blocking CUDA streams) after the caller's work, before anything of a step, or of a shadow
+/// step of join(), is enqueued; nothing on a backend without Backend::begin_step.
+template <class Backend, class Stream>
+void begin_streams(std::vector<std::unique_ptr<Stream>>& streams) {
+  if constexpr (requires(Stream& s) { Backend::begin_step(s); })
+    for (auto& s : streams) Backend::begin_step(*s);
+}
+
 /// Waits for every stream and swallows their errors: for unwinding, where the exception in flight
 /// is the one to report but the queued work must finish before the step's locals go away.
 template <class Stream>

@@ -197,11 +197,12 @@ inline std::vector<std::filesystem::path> zero_state_files(std::filesystem::path
 }
 
 namespace detail {
-/// Stages the save `id` names (the committed one when `id` is empty), or the committed save.
+/// Stages the save `id` names, or the committed save when `id` is empty; `set` receives its name.
 inline zero_staged stage_save(std::filesystem::path const& path, zero_layout const& l, std::string const& rank,
-                              std::optional<zero_state_id> const& id) {
+                              std::optional<zero_state_id> const& id, std::string& set) {
   auto const c = read_commit(path);
   auto const where = "load_zero_state on rank " + rank + ": ";
+  set = id ? id->set : c ? c->set : std::string();
   if (!id || (c && c->set == id->set)) {
     if (!c) return stage_shards(path, l, rank);  // a save older than sets: its shard files beside `path`
     if (c->world > 0) return stage_shards(set_base(path, c->set), l, rank, c->set);
@@ -237,7 +238,7 @@ void load_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
   auto st = std::make_shared<detail::zero_staged>();
   std::string set;
   detail::on_every_rank(group, "load_zero_state", [&] {
-    *st = detail::stage_save(path, l, rank, id);
+    *st = detail::stage_save(path, l, rank, id, set);
     if (st->step < 0)
       throw error("dparallel: load_zero_state on rank " + rank + ": " + dparallel::detail::in_quotes(path.string()) +
                   " says " + std::to_string(st->step) + " steps were taken; expected a count >= 0");
@@ -245,8 +246,6 @@ void load_zero_state(std::filesystem::path const& path, zero_redundancy_optimize
       throw error("dparallel: load_zero_state on rank " + rank + ": ZeRO save " + dparallel::detail::in_quotes(id->set) +
                   " holds step " + std::to_string(st->step) + ", the checkpoint expects step " + std::to_string(id->step) +
                   "; nothing was loaded");
-    if (auto const c = detail::read_commit(path); id) set = id->set;
-    else if (c) set = c->set;
   });
   access::state_set(opt) = set;
   access::restore(opt, static_cast<std::uint64_t>(st->step), [&opt, st, l] {

@@ -407,21 +407,16 @@ class bucketed_reduce {
     if constexpr (sharded)
       if (used_hook_ || accumulated_ != 0 || s.join.scale != 1.0 || s.batch == 0) coalesce_ = false;
     if (used_hook_) {
-      auto& unused = unused_;
-      unused.clear();
+      unused_.clear();
       for (std::size_t i = 0; i < n; ++i)
-        if (!ready_[i]) unused.push_back(i);
-      if (!unused.empty() && !s.opts.find_unused_parameters) {
-        std::string list;
-        for (std::size_t k = 0; k < unused.size() && k < 16; ++k)
-          list += (k ? ", " : "") + detail::parameter_label(*s.models[0], unused[k]);
-        if (unused.size() > 16) list += ", ...";
+        if (!ready_[i]) unused_.push_back(i);
+      if (!unused_.empty() && !s.opts.find_unused_parameters)
         throw invalid_argument("dparallel: DDP on rank " + std::to_string(s.group.rank()) +
-                               ": the step called grad_ready() but never for parameter(s) " + list +
+                               ": the step called grad_ready() but never for parameter(s) " +
+                               detail::parameter_list(*s.models[0], unused_) +
                                "; expected every parameter to be marked ready (a parameter not used in this "
                                "step?): call grad_ready for it or set options::find_unused_parameters = true");
-      }
-      for (std::size_t i : unused) mark(s, i, true);
+      for (std::size_t i : unused_) mark(s, i, true);
     } else {
       // Backward order; a step without samples (a joined rank's, policy/join.hpp) has no gradients.
       for (std::size_t k = n; k-- > 0;) mark(s, k, s.batch == 0);
