@@ -82,7 +82,7 @@ std::string to_json(config const& cfg, result const& r, training_data const& dat
          ",\"train_samples\":" + std::to_string(data.train.size()) +
          ",\"test_samples\":" + std::to_string(data.test.size()) + ",\"test_accuracy\":" + number(r.test_accuracy) +
          ",\"train_loss\":" + number(r.train_loss) + ",\"samples_per_s\":" + number(r.samples_per_s) +
-         ",\"train_seconds\":" + number(r.train_seconds) + ",\"param_sum\":" + exact(r.params.sum) +
+         ",\"train_seconds\":" + number(r.train_seconds) + ",\"rate_spread\":" + number(r.rate_spread) + ",\"param_sum\":" + exact(r.params.sum) +
          ",\"param_l2\":" + exact(r.params.l2) + ",\"early_steps\":" + std::to_string(r.early_steps) +
          ",\"early_param_sum\":" + exact(r.early.sum) + ",\"early_param_l2\":" + exact(r.early.l2) +
          ",\"start_step\":" + std::to_string(r.start_step) + ",\"steps\":" + std::to_string(r.steps) + "," + blas_info::json_fields(blas) + "}";

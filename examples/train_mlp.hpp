@@ -112,6 +112,7 @@ struct result {
   double test_accuracy = 0;  // after the last epoch
   double samples_per_s = 0;  // training samples / training wall time, all epochs
   double train_seconds = 0;  // training wall time, all epochs, evaluation excluded
+  double rate_spread = 0;    // how steady samples/s was over 20-step stretches (0.05: +-5%)
   fingerprint params;        // of the trained parameters
   // Of the parameters after the first `early_steps` optimizer steps (at the end if the run stopped
   // before them or resumed after them): equal to the bit between modes whose gradients are

@@ -92,13 +92,7 @@ class ddp_runner final : public runner {
       : group_(group), model_(start, gpu_device(gpu)), ddp_(model_, group, {.local_device = gpu_device(gpu)}) {}
   double step(batch const& b, std::chrono::nanoseconds waited) override {
     ddp_.note_data_wait(waited);
-    float const loss = ddp_.step(b, &run_shard);
-    // The global batch's mean loss: sum of (loss x samples) over the ranks (host memory; the NCCL
-    // communicator stages it).
-    std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
-                               static_cast<double>(b.images.rows())};
-    group_.all_reduce(dpl::view(sums)).wait();
-    return sums[0] / sums[1];
+    return static_cast<double>(ddp_.step(b, &run_shard));  // this rank's mean loss (train() sums the epoch's)
   }
   void sgd(float lr) override { model_.sgd(lr); }
   void download(mlp& host) override { model_.download(host); }

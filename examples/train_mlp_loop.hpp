@@ -15,6 +15,9 @@
 #include <dparallel/optim/state.hpp>
 #include <dparallel/optim/zero_checkpoint.hpp>
 
+#include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -94,15 +97,6 @@ inline gathered_batch gather(fashion_mnist::dataset const& data, std::span<std::
   return out;
 }
 
-/// Plain SGD on the master: p -= lr * g for every parameter, reached through the same
-/// customisation points dparallel uses.
-inline void sgd(mlp& m, float lr) {
-  auto params = dparallel::parameters(m);
-  auto grads = dparallel::gradients(m);
-  for (std::size_t k = 0; k < params.size(); ++k)
-    for (std::size_t i = 0; i < params[k].size(); ++i) params[k][i] -= lr * grads[k][i];
-}
-
 /// The update after each step, as --optimizer, --weight-decay and --clip-grad-norm ask (see
 /// make_update), and for the optimizers with state, that state for --save-checkpoint and --resume.
 struct updater {
@@ -132,18 +126,20 @@ auto with_rule(config const& cfg, With&& with) {
   return with(optim::sgd({.momentum = cfg.optimizer == "momentum" ? 0.9 : 0.0, .weight_decay = wd.value_or(0.0)}));
 }
 
-/// The defaults keep the plain SGD above (the bits of every earlier run); otherwise an optimizer of
-/// dparallel::optim over `m` (the master, or this DDP rank's replica: every rank updates its own
-/// from the same reduced gradients, so the replicas stay identical), after clipping the gradients.
-inline updater make_update(config const& cfg, mlp& m) {
-  if (cfg.optimizer == "sgd" && cfg.weight_decay <= 0 && cfg.clip_grad_norm == 0)
-    return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}, {}, {}};
+/// The update after each step: an optimizer of dparallel::optim over `m` (the master, or this DDP
+/// rank's replica: every rank updates its own from the same reduced gradients, so the replicas stay
+/// identical), after clipping the gradients. `target` is what the optimizer steps: `m` itself, or
+/// the DataParallel wrapper around it, whose devices' threads then share the update of the master
+/// (the same bits as one thread: the rules are elementwise). The defaults are plain SGD,
+/// p <- p - lr g.
+template <class Target>
+updater make_update(config const& cfg, mlp& m, Target& target) {
   namespace optim = dparallel::optim;
-  return with_rule(cfg, [&m, clip = cfg.clip_grad_norm](auto rule) -> updater {
-    auto opt = std::make_shared<optim::optimizer<decltype(rule)>>(m, rule);
-    updater u{[&m, opt, clip](double lr) {
+  return with_rule(cfg, [&m, &target, clip = cfg.clip_grad_norm](auto rule) -> updater {
+    auto opt = std::make_shared<optim::optimizer<decltype(rule)>>(target, rule);
+    updater u{[&m, &target, opt, clip](double lr) {
                 if (clip > 0) optim::clip_grad_norm(m, clip);
-                opt->step(m, lr);
+                opt->step(target, lr);
               },
               {},
               {},
@@ -152,6 +148,7 @@ inline updater make_update(config const& cfg, mlp& m) {
     return u;
   });
 }
+inline updater make_update(config const& cfg, mlp& m) { return make_update(cfg, m, m); }
 
 /// --zero 1: the same rule over this rank's shards of the ddp_zero1 wrapper `w` (ZeRO-1), after
 /// clipping the gradient shards (one scalar collective). --optimizer sgd is optim::sgd here. Its
@@ -219,6 +216,49 @@ inline fingerprint parameter_fingerprint(mlp& m) {
 
 using seconds = std::chrono::duration<double>;
 
+/// How steady the training speed was: samples per second over stretches of `steps_per_stretch`
+/// steps (the loop's whole iteration: data, step, update), and their spread. On a quiet machine
+/// the stretches agree within a few per cent; other work on the machine shows as a wide spread.
+class stretch_rates {
+ public:
+  static constexpr std::size_t steps_per_stretch = 20;
+  /// A new epoch: what lies between epochs (the evaluation) is not training. The epoch's first
+  /// step only starts the clock (it carries the epoch's set-up).
+  void new_epoch() { started_ = false; }
+  /// One step of `samples` samples done now.
+  void add(std::size_t samples) {
+    auto const now = std::chrono::steady_clock::now();
+    if (!started_) {
+      started_ = true;
+      start_ = now;
+      steps_ = samples_ = 0;
+      return;
+    }
+    samples_ += samples;
+    if (++steps_ == steps_per_stretch) {
+      rates_.push_back(static_cast<double>(samples_) / seconds(now - start_).count());
+      start_ = now;
+      steps_ = samples_ = 0;
+    }
+  }
+  /// Half the range of the stretches' rates (the slowest and fastest 10% left out when there are
+  /// ten or more) over their median: 0.05 reads "within +-5%". 0 with fewer than two stretches.
+  [[nodiscard]] double spread() const {
+    if (rates_.size() < 2) return 0;
+    std::vector<double> r = rates_;
+    std::sort(r.begin(), r.end());
+    std::size_t const cut = r.size() >= 10 ? r.size() / 10 : 0;
+    double const median = r[r.size() / 2];
+    return (r[r.size() - 1 - cut] - r[cut]) / (2 * median);
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+  bool started_ = false;
+  std::size_t steps_ = 0, samples_ = 0;
+  std::vector<double> rates_;
+};
+
 /// The model train() evaluates, fingerprints and saves: on the host backend, the master itself.
 inline mlp& host_model(mlp& m) { return m; }
 
@@ -230,10 +270,9 @@ struct gpu_master {
   train_mlp_cuda::runner* run;
   mlp host;
 };
-inline void sgd(gpu_master& m, float lr) { m.run->sgd(lr); }
 /// --backend cuda: plain SGD on the GPU (the command line refuses the other optimizers there).
 inline updater make_update(config const&, gpu_master& m) {
-  return {[&m](double lr) { sgd(m, static_cast<float>(lr)); }, {}, {}, {}};
+  return {[&m](double lr) { m.run->sgd(static_cast<float>(lr)); }, {}, {}, {}};
 }
 inline void load_optimizer_state(config const&, updater const&, gpu_master&) {}
 inline mlp& host_model(gpu_master& m) {
@@ -243,8 +282,8 @@ inline mlp& host_model(gpu_master& m) {
 #endif
 
 /// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
-/// double` is the mode: it returns the mean loss over the global batch and leaves the gradient of
-/// that mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
+/// double` is the mode: it returns the mean loss over the batch it was given (a DDP rank's part of
+/// the global batch) and leaves the gradient of the global batch's mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
 /// the wrapper's profile). Then the optimizer (make_update, or `update_override` when given: ZeRO-1's)
 /// updates `master`; after each epoch `master` is evaluated on the test set.
 /// `master` is an mlp, or a gpu_master on the CUDA backend (see host_model).
@@ -263,9 +302,14 @@ inline mlp& host_model(gpu_master& m) {
 ///
 /// With --uneven (ddp), rank r takes the epoch's batches but its last r, then calls
 /// `end_epoch()` (the wrapper's join()) before the epoch's evaluation.
+///
+/// The epoch's training loss is summed on each rank and, for DDP, over the ranks once at the
+/// epoch's end (`sum_over_ranks`, an all-reduce of two numbers): no collective or host wait is
+/// added to a step just to print a loss.
 template <class Master, class Step>
 result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
-             Step&& step, updater update_override = {}, std::function<void()> const& end_epoch = {}) {
+             Step&& step, updater update_override = {}, std::function<void()> const& end_epoch = {},
+             std::function<void(std::array<double, 2>&)> const& sum_over_ranks = {}) {
   result r;
   bool const reports = rank <= 0;
   auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
@@ -285,6 +329,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
   bool early_taken = false, evaluated = false;
   seconds total{0};
   std::size_t seen = 0;
+  stretch_rates speed;
   while (p.epoch < epochs && p.step < cfg.steps) {
     auto const begin = std::chrono::steady_clock::now();
     int const epoch = static_cast<int>(p.epoch);
@@ -310,7 +355,8 @@ result train(config const& cfg, training_data const& data, start_point const& st
       }
     }
     dparallel::loader batches(lists, make, {.num_workers = cfg.workers});
-    double loss_sum = 0;
+    speed.new_epoch();
+    std::array<double, 2> loss{0, 0};  // this rank's sum of loss x samples, and its samples
     std::size_t samples = 0, j = first;
     std::size_t const drop = cfg.uneven && rank > 0 ? static_cast<std::size_t>(rank) : 0;
     std::size_t const last = plan.batches() - std::min(drop, plan.batches());
@@ -318,11 +364,14 @@ result train(config const& cfg, training_data const& data, start_point const& st
       std::optional<gathered_batch> const made = batches.next();
       if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
       r.data_wait_seconds += seconds(batches.last_wait()).count();
-      double const loss = step(made->view(), batches.last_wait());
+      batch const b = made->view();
+      double const mean = step(b, batches.last_wait());
       update.step(cfg.lr);
+      loss[0] += mean * static_cast<double>(b.images.rows());
+      loss[1] += static_cast<double>(b.images.rows());
       std::size_t const n = global_sizes[j - first];
-      loss_sum += loss * static_cast<double>(n);
       samples += n;
+      speed.add(n);
       p.sampler.index = (j + 1) * per_rank;
       if (++p.step == early_steps) {
         early_taken = true;
@@ -331,11 +380,12 @@ result train(config const& cfg, training_data const& data, start_point const& st
       }
     }
     if (end_epoch) end_epoch();
+    if (sum_over_ranks) sum_over_ranks(loss);
     if (j == last) p.sampler = {.epoch = ++p.epoch, .index = 0, .order = p.sampler.order};
     seconds const took = std::chrono::steady_clock::now() - begin;
     total += took;
     seen += samples;
-    r.train_loss = samples == 0 ? 0.0 : loss_sum / static_cast<double>(samples);
+    r.train_loss = loss[1] == 0 ? 0.0 : loss[0] / loss[1];
     if (!reports) continue;
     r.test_accuracy = evaluate(host_model(master), data.test);
     evaluated = true;
@@ -349,6 +399,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
     r.test_accuracy = evaluate(host_model(master), data.test);
   r.train_seconds = total.count();
   r.samples_per_s = seen == 0 ? 0.0 : static_cast<double>(seen) / total.count();
+  r.rate_spread = speed.spread();
   r.params = parameter_fingerprint(host_model(master));
   r.steps = p.step;
   if (!early_taken) {

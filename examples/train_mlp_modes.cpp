@@ -52,7 +52,7 @@ void print_profile(config const& cfg, Wrapper const& wrapper) {
 result run_dp(config const& cfg, training_data const& data, start_point const& start) {
   mlp model = start.model;
   dparallel::data_parallel<mlp> dp(model, dparallel::host::devices(cfg.devices));
-  result r = train(cfg, data, start, dp.module(), -1, [&](batch const& b, std::chrono::nanoseconds waited) {
+  auto const step = [&](batch const& b, std::chrono::nanoseconds waited) {
     dp.note_data_wait(waited);
     std::vector<float> const losses =
         dp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
@@ -62,7 +62,9 @@ result run_dp(config const& cfg, training_data const& data, start_point const& s
     for (std::size_t size : dp.last_shard_sizes())
       if (size != 0) sum += static_cast<double>(losses[k++]) * static_cast<double>(size);
     return sum / static_cast<double>(b.images.rows());
-  });
+  };
+  // The optimizer steps the wrapper: the devices' threads share the update of the master.
+  result r = train(cfg, data, start, dp.module(), -1, step, make_update(cfg, dp.module(), dp));
   r.devices = cfg.devices;
   print_profile(cfg, dp);
   return r;
@@ -85,6 +87,8 @@ void use_comm_hook(config const& cfg, Ddp& ddp) {
 /// DistributedDataParallel over `cfg.devices` thread ranks (dparallel::spawn): every rank holds a
 /// replica, reads its own part of each global batch (distributed_sampler), and DDP averages the
 /// gradients over the ranks with a bucketed all-reduce; every rank then runs the same SGD step.
+/// A step returns the rank's own mean loss; train() sums the epoch's losses over the ranks once, at
+/// the epoch's end (sum_over).
 /// With --comm mpi, run_ddp_mpi does the same with one rank per MPI process.
 /// With --zero 1 the wrapper is parallel<mlp, ddp_zero1> and the update make_zero_update's.
 template <class Bundle>
@@ -105,6 +109,11 @@ dparallel::options ddp_options(config const& cfg) {
   return o;
 }
 
+/// What train() calls at an epoch's end to add the ranks' loss sums: one all-reduce over `group`.
+inline std::function<void(std::array<double, 2>&)> sum_over(dparallel::process_group const& group) {
+  return [&group](std::array<double, 2>& sums) { group.all_reduce(dparallel::view(sums)).wait(); };
+}
+
 /// --uneven: what train() calls when this rank's epoch ran out of batches: `ddp`'s join().
 template <class Ddp>
 std::function<void()> join_at_epoch_end(config const& cfg, Ddp& ddp) {
@@ -121,15 +130,9 @@ result run_ddp_as(config const& cfg, training_data const& data, start_point cons
     if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
     result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
       ddp.note_data_wait(waited);
-      float const loss =
-          ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
-      if (cfg.uneven) return static_cast<double>(loss);  // the ranks' steps do not pair up: rank 0's own
-      // The global batch's mean loss, for the progress line: sum of (loss x samples) over ranks.
-      std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
-                                 static_cast<double>(b.images.rows())};
-      rank.group().all_reduce(dparallel::view(sums)).wait();
-      return sums[0] / sums[1];
-    }, update_for(cfg, ddp), join_at_epoch_end(cfg, ddp));
+      return static_cast<double>(
+          ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); }));
+    }, update_for(cfg, ddp), join_at_epoch_end(cfg, ddp), sum_over(rank.group()));
     if (rank.rank() == 0) {
       out = r;
       print_profile(cfg, ddp);
@@ -159,14 +162,9 @@ result run_ddp_mpi_as(config const& cfg, training_data const& data, start_point 
   if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
   result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
     ddp.note_data_wait(waited);
-    float const loss =
-        ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
-    if (cfg.uneven) return static_cast<double>(loss);  // the ranks' steps do not pair up: rank 0's own
-    std::array<double, 2> sums{static_cast<double>(loss) * static_cast<double>(b.images.rows()),
-                               static_cast<double>(b.images.rows())};
-    group.all_reduce(dparallel::view(sums)).wait();
-    return sums[0] / sums[1];
-  }, update_for(cfg, ddp), join_at_epoch_end(cfg, ddp));
+    return static_cast<double>(
+        ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); }));
+  }, update_for(cfg, ddp), join_at_epoch_end(cfg, ddp), sum_over(group));
   r.devices = group.size();
   if (group.rank() == 0) print_profile(cfg, ddp);
   return r;
@@ -180,11 +178,13 @@ result run_ddp_mpi(config const& cfg, training_data const& data, start_point con
 
 #if DPARALLEL_EXAMPLE_CUDA
 /// The training loop with a GPU runner as the master (rank as train() takes it).
+/// `group`: the DDP ranks' group (the epoch's losses are summed over it), or none.
 result train_on_gpu(config const& cfg, training_data const& data, start_point const& start,
-                    train_mlp_cuda::runner& run, int rank) {
+                    train_mlp_cuda::runner& run, int rank, dparallel::process_group const* group = nullptr) {
   gpu_master master{&run, start.model};
   return train(cfg, data, start, master, rank,
-               [&run](batch const& b, std::chrono::nanoseconds waited) { return run.step(b, waited); });
+               [&run](batch const& b, std::chrono::nanoseconds waited) { return run.step(b, waited); }, {}, {},
+               group != nullptr ? sum_over(*group) : std::function<void(std::array<double, 2>&)>());
 }
 
 /// --profile: a GPU runner's wrapper table (rank 0 alone prints under DDP).
@@ -220,7 +220,7 @@ result run_cuda(config const& cfg, training_data const& data, start_point const&
   if (cfg.comm == "nccl") {  // this process is one rank
     dparallel::distributed_group const& group = *nccl_group;
     auto const run = train_mlp_cuda::make_ddp(start.model, group, train_mlp_cuda::gpu_of(group));
-    result r = train_on_gpu(cfg, data, start, *run, group.rank());
+    result r = train_on_gpu(cfg, data, start, *run, group.rank(), &group);
     r.devices = group.size();
     if (group.rank() == 0) print_gpu_profile(cfg, *run);
     return r;
@@ -237,7 +237,7 @@ result run_cuda(config const& cfg, training_data const& data, start_point const&
       dparallel::process_group const& group = groups[static_cast<std::size_t>(r)];
       try {
         auto const run = train_mlp_cuda::make_ddp(start.model, group, r);
-        result mine = train_on_gpu(cfg, data, start, *run, r);
+        result mine = train_on_gpu(cfg, data, start, *run, r, &group);
         if (r == 0) {
           out = mine;
           print_gpu_profile(cfg, *run);
