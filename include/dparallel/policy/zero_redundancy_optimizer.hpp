@@ -229,6 +229,18 @@ class zero_redundancy_optimizer {
     }
   }
 
+  /// Leaves this step out (optim::grad_scaler found inf or NaN in the gradients): the gradient
+  /// shards count as used, nothing is updated, the update count stays. Every rank must skip the
+  /// same steps, or the parameters diverge.
+  void skip() {
+    auto& r = w_->reducer();
+    if (r.reductions() == seen_reductions_)
+      throw invalid_argument("dparallel: zero_redundancy_optimizer::skip on rank " + std::to_string(w_->group().rank()) +
+                             ": expected a synchronised step() of the wrapper since the last update, found none");
+    seen_reductions_ = r.reductions();
+    r.shards_consumed();
+  }
+
   /// The same, in optim::optimizer's form (`opt.step(w, lr)`): `w` must be the wrapper the
   /// optimizer was built over.
   void step(Wrapper& w, double lr) {
