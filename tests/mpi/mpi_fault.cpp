@@ -3,6 +3,8 @@
 //   mpi_fault kill <timeout_ms>     rank 1 kills itself (SIGKILL) in its 4th DDP step
 //   mpi_fault throw <timeout_ms>    rank 1's step function throws in its 4th DDP step
 //   mpi_fault missing <timeout_ms>  the last rank skips one all_reduce and then sleeps
+//   mpi_fault early <timeout_ms>    the last rank's group ends (destroyed) after 3 all_reduces and
+//                                  the rank sleeps; the others fail their 4th at once, naming it
 //   mpi_fault avg|count|kind <timeout_ms>  rank 1's third all_reduce differs from rank 0's (avg
 //                                  instead of sum, 999 instead of 1000 elements, a broadcast)
 //   mpi_fault stop <timeout_ms>     over shared memory (the MPI engine's node group): rank 1 stops
@@ -10,6 +12,7 @@
 //                                  out and the job must end (MPI_Abort), not wait in MPI_Finalize
 // Every surviving rank prints the error it caught, with the rank the error names:
 //   mpi_fault: rank R: caught comm_error naming rank F: <message>
+// and, when that error is a timeout_error, the line `mpi_fault: rank R: the error is a timeout_error`.
 // The group keeps MPI's data path (mpi::options::shared_memory = false): these are the MPI
 // engine's failure paths; the shared-memory engine's are in tests/test_shm.cpp. Scenario `stop`
 // takes the shared-memory switch: how a failure of the node group ends the MPI job.
@@ -80,6 +83,24 @@ void missing_collective(dpl::process_group const& group) {
   }
 }
 
+/// The last rank ends its group (as a rank whose loop ran out of batches destroys its wrapper and
+/// group) after 3 all_reduces, then stays alive; the others' 4th all_reduce fails at once with a
+/// comm_error naming it (as on thread ranks and shared memory), not a timeout_error at the timeout.
+void early_end(std::chrono::milliseconds timeout) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  {
+    auto const g = dpl::mpi::make_group(MPI_COMM_WORLD, timeout, {.shared_memory = false});
+    for (int k = 0; k < 10; ++k) {
+      if (rank == size - 1 && k == 3) break;
+      std::vector<float> v(100, 1.0f);
+      g.all_reduce(dpl::view(v)).wait();
+    }
+  }
+  if (rank == size - 1) std::this_thread::sleep_for(std::chrono::seconds(120));  // ended by the others' MPI_Abort
+}
+
 /// Rank 1's third collective differs from the others' (unchecked: sum vs avg gave mixed data,
 /// 1000 vs 999 elements ended a rank through Open MPI's fatal handler, all_reduce vs broadcast
 /// hung one rank): every rank must fail with the same comm_error naming rank 1.
@@ -116,7 +137,7 @@ void subgroup_failure(dpl::process_group const& group) {
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|avg|count|kind|subgroup|stop <timeout_ms>\n");
+    std::fprintf(stderr, "usage: mpi_fault kill|throw|missing|early|avg|count|kind|subgroup|stop <timeout_ms>\n");
     return 2;
   }
   std::string const scenario = argv[1];
@@ -129,6 +150,7 @@ int main(int argc, char** argv) {
                                .shared_memory = scenario == "stop"});
     rank = group.rank();
     if (scenario == "missing") missing_collective(group);
+    else if (scenario == "early") early_end(timeout);
     else if (scenario == "subgroup") subgroup_failure(group);
     else if (scenario == "stop") stopped_peer(group);
     else if (scenario == "avg" || scenario == "count" || scenario == "kind") mismatched_collective(group, scenario);
@@ -138,6 +160,8 @@ int main(int argc, char** argv) {
   } catch (std::exception const& e) {
     if (auto const* c = find_comm_error(e)) {
       std::fprintf(stderr, "mpi_fault: rank %d: caught comm_error naming rank %d: %s\n", rank, c->rank(), c->what());
+      if (dynamic_cast<dpl::timeout_error const*>(c) != nullptr)
+        std::fprintf(stderr, "mpi_fault: rank %d: the error is a timeout_error\n", rank);
     } else {
       std::fprintf(stderr, "mpi_fault: rank %d: caught: %s\n", rank, e.what());
     }

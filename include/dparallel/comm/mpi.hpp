@@ -62,6 +62,11 @@
 //    so MPI is finalised normally at exit);
 //  - MPI errors (MPI_ERRORS_RETURN on dparallel's communicators, and on MPI_COMM_WORLD when
 //    dparallel initialises MPI) fail the group the same way.
+//  - a communicator whose last handle is gone sends CLOSED (how many collectives it issued) to
+//    every peer: a peer waiting for a later collective fails at once with a comm_error naming it
+//    ("rank k finished ... after issuing n collectives"), as on thread ranks and shared memory.
+//    The MPI communicators are freed once every live peer's CLOSED has arrived, so that no message
+//    is left behind for a context id that MPI may give to a later communicator.
 // So a wait returns or throws at most timeout + options::probe_window after its collective
 // started (collectives start one after the other, each when the previous one finished).
 // A failed group stays failed. A process whose group failed with a collective still in flight

@@ -23,7 +23,10 @@ namespace detail {
 
 
 inline constexpr int mpi_control_tag = 0x4450;
-enum class mpi_msg : std::uint8_t { abort = 1, query = 2, status = 3, exit = 4 };
+// closed: the sender's handle is gone after it issued the given number of collectives. Every rank
+// sends it once and frees its communicators only after every live peer's has arrived (so that no
+// message is left for a freed communicator whose context id MPI may give to a new one).
+enum class mpi_msg : std::uint8_t { abort = 1, query = 2, status = 3, exit = 4, closed = 5 };
 
 struct mpi_msg_writer {
   std::vector<std::byte> b;
@@ -82,7 +85,13 @@ class mpi_control_channel {
     if (!exiting_) return true;
     if (now >= exit_deadline_) return true;
     for (int j = 0; j < size_; ++j)
-      if (j != rank_ && dead_[static_cast<std::size_t>(j)] == 0 && exit_from_[static_cast<std::size_t>(j)] == 0)
+      if (j != rank_ && !gone(j) && exit_from_[static_cast<std::size_t>(j)] == 0) return false;
+    return true;
+  }
+  /// Whether every live peer's CLOSED has arrived (then the communicators may be freed).
+  [[nodiscard]] bool close_done() const {
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && dead_[static_cast<std::size_t>(j)] == 0 && !closed_from_[static_cast<std::size_t>(j)])
         return false;
     return true;
   }
@@ -173,6 +182,11 @@ class mpi_control_channel {
         s.last = in.str();
         s.failure = in.str();
         if (in.ok && probe_.active && s.seq == probe_.seq) probe_.replies[from] = std::move(s);
+        return;
+      }
+      case mpi_msg::closed: {
+        std::uint64_t const issued = in.u64();
+        if (in.ok && from >= 0 && from < size_) closed_from_[static_cast<std::size_t>(from)] = issued + 1;
         return;
       }
       case mpi_msg::exit: {
@@ -272,6 +286,12 @@ class mpi_control_channel {
   probe_state probe_;
   std::vector<char> dead_;
   std::vector<char> exit_from_;
+  // Per peer: 0 until its CLOSED arrived, then 1 + the number of collectives it had issued.
+  std::vector<std::uint64_t> closed_from_;
+  /// Whether peer j is known dead or has closed its communicator: it reads no message any more.
+  [[nodiscard]] bool gone(int j) const {
+    return dead_[static_cast<std::size_t>(j)] != 0 || closed_from_[static_cast<std::size_t>(j)] != 0;
+  }
   bool peer_orphans_ = false;
   bool exiting_ = false;
   mpi_clock::time_point exit_deadline_;

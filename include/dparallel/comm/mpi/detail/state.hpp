@@ -72,6 +72,7 @@ class mpi_comm_state final : public mpi_control_channel {
     MPI_Comm_set_errhandler(control_, MPI_ERRORS_RETURN);
     dead_.assign(static_cast<std::size_t>(size_), 0);
     exit_from_.assign(static_cast<std::size_t>(size_), 0);
+    closed_from_.assign(static_cast<std::size_t>(size_), 0);
     ready_ = true;
     return {};
   }
@@ -148,6 +149,7 @@ class mpi_comm_state final : public mpi_control_channel {
       t.progressed = true;
     }
     t.progressed |= poll_control(now);
+    t.progressed |= fail_for_closed_peer();
     test_sends();
     if (now >= next_orphan_test_) {
       test_orphans();
@@ -164,19 +166,31 @@ class mpi_comm_state final : public mpi_control_channel {
   }
 
   /// (P) Whether the engine may forget this state: its handle is gone and its communicators freed.
+  /// A healthy retired state first tells every live peer how many collectives it issued (CLOSED),
+  /// so that a peer waiting for a later one fails at once naming it, and frees its communicators
+  /// once every live peer's CLOSED arrived (see mpi_msg::closed).
   [[nodiscard]] bool finished() {
     if (freed_) return true;
     bool retire_now = false;
+    std::uint64_t issued = 0;
     {
       std::lock_guard lock(m_);
       retire_now = retired_ && !failure_ && !abort_request_ && queue_.empty() && !current_;
+      issued = next_seq_ - 1;
     }
-    if (retire_now && ready_) {
-      free_comms();
-      return true;
+    if (!retire_now || !ready_) return false;
+    if (!close_sent_) {
+      close_sent_ = true;
+      for (int j = 0; j < size_; ++j)
+        if (j != rank_ && dead_[static_cast<std::size_t>(j)] == 0) send_to(j, mpi_msg_writer(mpi_msg::closed).u64(issued).b);
     }
-    return false;
+    test_sends();
+    if (!close_done() || !sends_.empty()) return false;
+    free_comms();
+    return true;
   }
+  /// (P) Whether this state was retired healthy and waits for its peers' CLOSED.
+  [[nodiscard]] bool closing() const noexcept { return close_sent_ && !freed_; }
 
   /// (P) Whether a collective is running or queued, or a status query is open.
   [[nodiscard]] bool busy() {
@@ -191,7 +205,7 @@ class mpi_comm_state final : public mpi_control_channel {
     exit_deadline_ = deadline;
     std::uint64_t const orphans = orphans_.empty() ? 0 : 1;
     for (int j = 0; j < size_; ++j)
-      if (j != rank_ && dead_[static_cast<std::size_t>(j)] == 0) send_to(j, mpi_msg_writer(mpi_msg::exit).u64(orphans).b);
+      if (j != rank_ && !gone(j)) send_to(j, mpi_msg_writer(mpi_msg::exit).u64(orphans).b);
   }
   /// After the handshake: why the job must end with MPI_Abort (empty: MPI can be finalised).
   [[nodiscard]] std::string exit_problem() {
@@ -206,7 +220,8 @@ class mpi_comm_state final : public mpi_control_channel {
       return "rank " + std::to_string(rank_) + " still had a collective in flight when its process group failed: " + why;
     std::vector<int> silent;
     for (int j = 0; j < size_; ++j)
-      if (j != rank_ && exit_from_[static_cast<std::size_t>(j)] == 0) silent.push_back(j);
+      if (j != rank_ && exit_from_[static_cast<std::size_t>(j)] == 0 && closed_from_[static_cast<std::size_t>(j)] == 0)
+        silent.push_back(j);
     if (!silent.empty())
       return describe_ranks(silent) + (silent.size() == 1 ? " was" : " were") +
              " not seen to exit after the process group failed (dead, or still running): " + why;
@@ -253,6 +268,32 @@ class mpi_comm_state final : public mpi_control_channel {
     t.done.complete(std::move(e));
   }
 
+  // (P) A peer that closed after issuing fewer collectives than the running or next one: fails the
+  // group naming it (the same cause, and error type, as on thread ranks and shared memory).
+  bool fail_for_closed_peer() {
+    std::uint64_t seq = 0;
+    if (current_) {
+      seq = current_->task.seq;
+    } else {
+      std::lock_guard lock(m_);
+      if (failure_ || queue_.empty()) return false;
+      seq = queue_.front().seq;
+    }
+    for (int j = 0; j < size_; ++j) {
+      std::uint64_t const c = closed_from_[static_cast<std::size_t>(j)];
+      if (c == 0 || c - 1 >= seq) continue;
+      std::uint64_t const issued = c - 1;
+      fail({j, false,
+            "rank " + std::to_string(j) + " finished (its process_group was destroyed or closed) after issuing " +
+                std::to_string(issued) + " collective" + (issued == 1 ? "" : "s") + ", so it will never call collective #" +
+                std::to_string(seq) + ", which rank " + std::to_string(rank_) +
+                " waited for. Every rank must issue the same collectives in the same order"},
+           true);
+      return true;
+    }
+    return false;
+  }
+
   // (P) Sets the failure (first one wins), fails the running and queued collectives, and tells the peers.
   void fail(mpi_failure f, bool notify) override {
     std::deque<mpi_task> queued;
@@ -277,7 +318,7 @@ class mpi_comm_state final : public mpi_control_channel {
                            .str(f.reason)
                            .b;
       for (int j = 0; j < size_; ++j)
-        if (j != rank_ && dead_[static_cast<std::size_t>(j)] == 0) send_to(j, msg);
+        if (j != rank_ && !gone(j)) send_to(j, msg);
     }
   }
 
@@ -384,6 +425,7 @@ class mpi_comm_state final : public mpi_control_channel {
 
   bool ready_ = false;           // set-up done
   bool freed_ = false;           // (P) communicators freed
+  bool close_sent_ = false;      // (P) CLOSED sent to the peers (retired healthy)
   bool setup_orphaned_ = false;  // (P) a set-up timed out with requests in flight
   std::atomic<std::int64_t> timeout_ms_;
   std::atomic<std::uint64_t> completed_{0};
