@@ -233,10 +233,18 @@ TEST_CASE("grad_scaler: the state resumes through a checkpoint; misuse and bad s
   CHECK_THROWS_WITH(s.update(), Contains("no unscale() or step() since the last update()"));
   s.unscale(refs);
   CHECK_THROWS_WITH(s.unscale(refs), Contains("already unscaled"));
-  std::vector<std::uint16_t> half(2, 0);
+  std::vector<dpl::f16> half(2, dpl::f16(1.0f));
   optim::grad_scaler t;
-  dpl::tensor_ref const h(half.data(), half.size(), dpl::dtype::bf16);
-  CHECK_THROWS_WITH(t.unscale(std::span<dpl::tensor_ref const>(&h, 1)), Contains("expected f32 or f64 gradients"));
+  dpl::tensor_ref const h(half.data(), half.size(), dpl::dtype::f16);
+  CHECK_THROWS_WITH(t.unscale(std::span<dpl::tensor_ref const>(&h, 1)),
+                    Contains("expected F32, F64 or BF16 gradients, found F16"));
+  // bf16: the f32 product rounded to bf16, exact for a power-of-two scale; infs found.
+  std::vector<dpl::bf16> b16{dpl::bf16(3.0f * 256), dpl::bf16(-0.5f * 256), dpl::bf16(inf)};
+  optim::grad_scaler u({.init_scale = 256.0});
+  dpl::tensor_ref const bref(b16.data(), b16.size(), dpl::dtype::bf16);
+  CHECK(u.unscale(std::span<dpl::tensor_ref const>(&bref, 1)));
+  CHECK(static_cast<float>(b16[0]) == 3.0f);
+  CHECK(static_cast<float>(b16[1]) == -0.5f);
   CHECK_THROWS_WITH(optim::grad_scaler({.growth_factor = 1.0}), Contains("growth_factor > 1"));
   CHECK_THROWS_WITH(optim::grad_scaler({.backoff_factor = 1.0}), Contains("backoff_factor in (0, 1)"));
   CHECK_THROWS_WITH(optim::grad_scaler({.growth_interval = 0}), Contains("growth_interval >= 1"));

@@ -28,13 +28,15 @@
 // is combined over the wrapper's group (one all-reduce of one number) and every rank skips the
 // same steps; a skipped step consumes the shards (zero_redundancy_optimizer::skip).
 //
-// Gradients in host memory, f32 or f64 (PyTorch refuses 16-bit gradients too: keep F32 gradients,
-// or F32 master weights). The state (scale and the count of good steps) goes into checkpoints:
+// Gradients in host memory, f32, f64 or bf16 (bf16 has f32's exponent range: unscaling by a power of
+// two is exact, so bf16 parameters with F32 master weights train); f16 gradients are refused, as
+// PyTorch refuses them (unscaled in f16 their small values are lost). The state (scale and the count of good steps) goes into checkpoints:
 // add_to(ckpt, scaler), so a resumed run scales, skips and grows exactly as an uninterrupted one.
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/half.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/checkpoint.hpp>
@@ -97,7 +99,7 @@ class grad_scaler {
   /// The settings.
   [[nodiscard]] grad_scaler_options const& options() const noexcept { return opts_; }
 
-  /// Unscales the gradients `grads` (host memory, f32 or f64) of this step in place and records
+  /// Unscales the gradients `grads` (host memory, f32, f64 or bf16) of this step in place and records
   /// whether any was inf or NaN; returns that. Once per step: a second call before update() throws.
   bool unscale(std::span<tensor_ref const> grads) {
     begin_unscale("unscale");
@@ -199,10 +201,19 @@ class grad_scaler {
           found |= !std::isfinite(x);
           if (inv != 1.0f) x *= static_cast<double>(inv);
         }
+      } else if (g.dtype() == dtype::bf16) {
+        // bf16 has f32's exponent range: x * inv is the f32 product rounded to bf16 (exact for a
+        // power-of-two scale down to 2^-126), so bf16 parameters with F32 master weights train.
+        for (bf16& x : g.as<bf16>()) {
+          float const v = static_cast<float>(x);
+          found |= !std::isfinite(v);
+          if (inv != 1.0f) x = bf16(detail::mul(v, inv));
+        }
       } else {
-        throw invalid_argument("dparallel: optim::grad_scaler: expected f32 or f64 gradients, found " +
+        throw invalid_argument("dparallel: optim::grad_scaler: expected F32, F64 or BF16 gradients, found " +
                                std::string(name_of(g.dtype())) +
-                               " (16-bit gradients lose range when unscaled: keep F32 gradients for scaled training)");
+                               " (F16 gradients lose their small values when unscaled in F16, which is why PyTorch "
+                               "refuses them too: keep F32 gradients, or use BF16)");
       }
     }
     return found;
