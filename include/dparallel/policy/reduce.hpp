@@ -3,6 +3,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/dp_plan.hpp>
+#include <dparallel/policy/concepts.hpp>
 #include <dparallel/policy/replicate.hpp>
 
 #include <concepts>
@@ -11,25 +12,6 @@
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
-
-/// A reduce policy is told when a step starts, when a replica's gradient is ready (from
-/// step_context::grad_ready, on that replica's stream), and when every step function has been
-/// enqueued; finish() enqueues the remaining reduction work.
-template <class P>
-concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_set& s, int r, std::size_t i) {
-  p.on_construct(s);
-  p.begin_step(s);
-  p.grad_ready(s, r, i);
-  p.finish(s);
-};
-
-namespace detail {
-/// Backends with the borrowed form of weighted_sum (host::backend, cuda::backend): several sums
-/// over lists the caller keeps, as one piece of work.
-template <class Backend>
-concept borrowed_weighted_sum = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t,
-                                         std::span<double const> w) { Backend::weighted_sum(s, t, t, w); };
-}  // namespace detail
 
 namespace policy {
 
@@ -41,11 +23,10 @@ namespace policy {
 /// reduction runs on all those devices at once (the sum of each element is the same expression
 /// whichever device computes it: the same bits as one device doing it all). The master's stream
 /// then waits for every part. A device's part is the backend's layout (core/dp_plan.hpp,
-/// plan_reduce): its stripes (64 KiB or more, dealt out round robin, core/stripes.hpp) on
-/// host::backend, one contiguous slice per gradient on cuda::backend. On a backend with the
-/// borrowed weighted_sum a device's parts are one piece of work over lists the policy keeps as
-/// members, refilled in place: a steady-state step allocates no list (the stream's work and
-/// events still do; see parallel::run_step); elsewhere each part is a call of its own.
+/// plan_reduce): its stripes on host::backend, one contiguous slice per gradient on cuda::backend.
+/// See Note [Why stripes] (policy/concepts.hpp). On a backend with the borrowed weighted_sum a
+/// device's parts are one piece of work over lists the policy keeps as members
+/// (see Note [Steady-state allocations]); elsewhere each part is a call of its own.
 struct reduce_to_master {
   /// Nothing to prepare.
   template <class Set>
@@ -72,8 +53,7 @@ struct reduce_to_master {
     }
     std::size_t const m = active_.size();
     if constexpr (borrowed) {
-      // Read by the sums until they complete: the step drains every stream before it returns
-      // (or throws), so the next step may refill them. Sized before the first enqueue.
+      // See Note [Step scratch lifetime].
       if (dst_.size() < m) dst_.resize(m);
       if (src_.size() < m) src_.resize(m);
     }
