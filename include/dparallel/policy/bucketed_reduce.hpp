@@ -3,8 +3,8 @@
 // across the process group while backward goes on, results written back when the step ends.
 // Reading order: the hooks (begin_step, grad_ready, finish), then the step top to bottom
 // (stage, launch_ready, after_step_function, stage_the_rest, wait_and_write_back), then each
-// route's staging, then planning. The plain data (bucket, locator, route) and the plan check are
-// in policy/detail/reducer_bucket.hpp.
+// route's staging. The buckets themselves (the plan, each parameter's locator, each bucket's
+// memory and progress, the route enum) and the plan check are in policy/detail/bucket_layout.hpp.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
@@ -16,10 +16,9 @@
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/policy/comm_hook.hpp>
-#include <dparallel/policy/detail/reducer_bucket.hpp>
+#include <dparallel/policy/detail/bucket_layout.hpp>
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -46,9 +45,9 @@ namespace policy {
 ///   next synchronised step reduces the weighted mean of everything accumulated.
 /// - With options::gradient_as_bucket_view the buckets are views of the gradients' own memory:
 ///   nothing is allocated or copied for them, each bucket is all-reduced in place (see
-///   plan_views). Every rank's plan is checked against rank 0's at construction (a signature
-///   all-gathered), so ranks that would issue different collectives fail there, every one of
-///   them, with an error that says why.
+///   detail::bucket_layout::plan_views). Every rank's plan is checked against rank 0's at
+///   construction (a signature all-gathered), so ranks that would issue different collectives
+///   fail there, every one of them, with an error that says why.
 /// - Without gradient_as_bucket_view, on an engine with process_group::all_reduce_coalesced
 ///   (thread ranks, shared memory), a bucket whose gradients were all marked after the step
 ///   function returned is reduced as the list of its gradients instead: no copies, the same bits.
@@ -72,15 +71,15 @@ class bucketed_reduce {
 
  public:
   /// The current bucket plan, in launch order.
-  [[nodiscard]] std::vector<bucket_spec> const& buckets() const noexcept { return plan_; }
+  [[nodiscard]] std::vector<bucket_spec> const& buckets() const noexcept { return layout_.plan; }
   /// Whether the buckets are views of the gradients (options::gradient_as_bucket_view).
-  [[nodiscard]] bool bucket_view() const noexcept { return bucket_views_; }
+  [[nodiscard]] bool bucket_view() const noexcept { return layout_.views; }
   /// Bytes of bucket storage this reducer holds (0 with gradient_as_bucket_view); the storage
   /// for no_sync accumulation, made the first time it is needed, is not counted.
   [[nodiscard]] std::size_t bucket_bytes() const noexcept {
-    if (bucket_views_) return 0;
+    if (layout_.views) return 0;
     std::size_t n = 0;
-    for (auto const& b : plan_) n += b.elements * size_of(b.dtype);
+    for (auto const& b : layout_.plan) n += b.elements * size_of(b.dtype);
     return n;
   }
 
@@ -106,41 +105,40 @@ class bucketed_reduce {
       detail::require(!s.opts.uneven_inputs && s.opts.average == average_mode::ranks,
                       "DDP: options::uneven_inputs and average_mode::samples work with the all-reduce reducer "
                       "(dparallel::ddp), found them with a reduce-to-root or sharded one; leave them off there");
-    bucket_views_ = s.opts.gradient_as_bucket_view;
-    if (bucket_views_) {
+    if (s.opts.gradient_as_bucket_view) {
       // A model with bind_gradients moves its gradients into memory from the process group first
       // (core/gradient_memory.hpp); the buckets then follow them where they lie.
       std::string bind_error = detail::bind_replica_gradients(s, gradients_bound_);
-      plan_views(s);
-      if (!bind_error.empty()) plan_error_ = std::move(bind_error);  // raised on every rank by the check
+      layout_.plan_views(s.grads[0], s.opts, s.rank());
+      if (!bind_error.empty()) layout_.error = std::move(bind_error);  // raised on every rank by the check
     } else {
       plan(s, reverse_order(s.params[0].size()));
     }
-    detail::verify_bucket_plan(s.group, plan_, bucket_views_, plan_error_);
+    detail::verify_bucket_plan(s.group, layout_.plan, layout_.views, layout_.error);
   }
 
   /// Prepares this step's buckets and chooses its route. See Note [Steady-state allocations].
   template <class Set>
   void begin_step(Set& s) {
     std::size_t const n = s.params[0].size();
-    if (n != counts_.size())
+    if (n != layout_.counts.size())
       throw invalid_argument("dparallel: DDP: the model has " + std::to_string(n) + " parameters now, expected the " +
-                             std::to_string(counts_.size()) + " it had when the wrapper was built");
-    if (bucket_views_) detail::check_bucket_views(s.grads[0], plan_, base_slot_, s.rank());
+                             std::to_string(layout_.counts.size()) + " it had when the wrapper was built");
+    if (layout_.views) detail::check_bucket_views(s.grads[0], layout_.plan, layout_.base_slot, s.rank());
     marked_.assign(n, false);
     ready_order_.clear();
     grad_ready_called_ = false;
     step_function_returned_ = false;
     next_bucket_ = 0;
     route_ = choose_route(s);
-    for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      detail::reducer_bucket& bucket = buckets_[b];
-      bucket.pending = plan_[b].params.size();
+    for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
+      detail::reducer_bucket& bucket = layout_.buckets[b];
+      bucket.pending = layout_.plan[b].params.size();
       bucket.copied = false;
       bucket.launched = work{};
       if (route_ != route::coalesced) continue;
       bucket.list.clear();  // read by its collective: see Note [Step scratch lifetime]
-      for (std::size_t i : plan_[b].params)
+      for (std::size_t i : layout_.plan[b].params)
         if (s.grads[0][i].size() != 0) bucket.list.push_back(s.grads[0][i]);
       if constexpr (sharded) static_cast<Sharded&>(*this).pad_list(b, bucket.list);
     }
@@ -178,7 +176,7 @@ class bucketed_reduce {
   template <class Set>
   route choose_route(Set& s) const {
     if (!s.sync) return route::accumulate;
-    if (bucket_views_) return route::in_place;
+    if (layout_.views) return route::in_place;
     bool lists = false;
     if constexpr (sharded) lists = static_cast<Sharded const&>(*this).scattering();
     else lists = !ToRoot && !comm_hook_.active();
@@ -192,11 +190,11 @@ class bucketed_reduce {
     marked_[i] = true;
     ready_order_.push_back(i);
     if (route_ == route::accumulate) return accumulate(s, i, unused);
-    std::size_t const b = locator_[i].bucket;
+    std::size_t const b = layout_.locator[i].bucket;
     if constexpr (sharded) static_cast<Sharded&>(*this).before_stage(b, unused);
-    if (in_place(buckets_[b])) stage_in_place(s, i, unused);
+    if (in_place(layout_.buckets[b])) stage_in_place(s, i, unused);
     else stage_copy(s, i, unused);
-    if (--buckets_[b].pending == 0) launch_ready(s);
+    if (--layout_.buckets[b].pending == 0) launch_ready(s);
   }
 
   // Whether a gradient is staged where it lies: bucket views, and on the coalesced route once
@@ -213,22 +211,24 @@ class bucketed_reduce {
   // match across ranks).
   template <class Set>
   void launch_ready(Set& s) {
-    while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-      buckets_[next_bucket_].launched = launch(s, next_bucket_);
+    auto& buckets = layout_.buckets;
+    while (next_bucket_ < buckets.size() && buckets[next_bucket_].pending == 0) {
+      buckets[next_bucket_].launched = launch(s, next_bucket_);
       ++next_bucket_;
     }
   }
 
   template <class Set>
   work launch(Set& s, std::size_t b) {
-    detail::reducer_bucket const& bucket = buckets_[b];
+    detail::reducer_bucket const& bucket = layout_.buckets[b];
     tensor_ref const whole = bucket_ref(s, b);
     if constexpr (sharded) {
       auto& derived = static_cast<Sharded&>(*this);
       return as_list(bucket) ? derived.launch_list(s, b, bucket.list) : derived.launch_bucket(s, b, whole);
     } else {
-      if (as_list(bucket)) return bucket.list.empty() ? work{} : s.group.all_reduce_coalesced(bucket.list, reduce_op::avg);
-      if (comm_hook_.active()) return comm_hook_.launch(s.group, b, whole, plan_[b], counts_);
+      if (as_list(bucket))
+        return bucket.list.empty() ? work{} : s.group.all_reduce_coalesced(bucket.list, reduce_op::avg);
+      if (comm_hook_.active()) return comm_hook_.launch(s.group, b, whole, layout_.plan[b], layout_.counts);
       return ToRoot ? s.group.reduce(whole, 0, reduce_op::avg) : s.group.all_reduce(whole, reduce_op::avg);
     }
   }
@@ -260,7 +260,8 @@ class bucketed_reduce {
     // reads them in place only where it has nothing to write into them (no accumulated steps, no
     // weight, no unused parameter to zero).
     if constexpr (sharded)
-      if (route_ == route::coalesced && (grad_ready_called_ || accumulated_ != 0 || s.join.scale != 1.0 || s.batch == 0))
+      if (route_ == route::coalesced &&
+          (grad_ready_called_ || accumulated_ != 0 || s.join.scale != 1.0 || s.batch == 0))
         route_ = route::copy;
     if (grad_ready_called_) {
       unused_.clear();
@@ -292,9 +293,9 @@ class bucketed_reduce {
     // first failure is the one reported) then return at once instead of waking this thread once
     // per bucket.
     s.group.drain();
-    for (auto const& b : buckets_) b.launched.wait();
+    for (auto const& b : layout_.buckets) b.launched.wait();
     if (comm_hook_.active()) {  // the hooks' continuations, in launch order on every rank
-      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
         tensor_ref const whole = bucket_ref(s, b);
         tensor_ref const r = comm_hook_.result(b, whole, s.group.rank());
         if (r.data() != whole.data()) ops::copy(whole, r);
@@ -302,14 +303,14 @@ class bucketed_reduce {
     }
     bool keep = false;  // a sharded reduction keeps its result in the shards
     if constexpr (sharded) keep = static_cast<Sharded const&>(*this).scattering();
-    if (!bucket_views_ && (!ToRoot || s.group.rank() == 0) && !keep) {
+    if (!layout_.views && (!ToRoot || s.group.rank() == 0) && !keep) {
       for (std::size_t i = 0; i < marked_.size(); ++i) {
-        detail::reducer_bucket const& bucket = buckets_[locator_[i].bucket];
+        detail::reducer_bucket const& bucket = layout_.buckets[layout_.locator[i].bucket];
         if (as_list(bucket)) continue;  // reduced in place
         ops::copy(s.grads[0][i], slot(s, bucket.storage, i));
       }
     }
-    if (!rebuilt_ && !bucket_views_) {  // view buckets follow the memory, not the ready order
+    if (!rebuilt_ && !layout_.views) {  // view buckets follow the memory, not the ready order
       rebuilt_ = true;
       // Rank 0's observed order decides for everyone (ranks may observe different orders).
       std::vector<std::int64_t> order(ready_order_.begin(), ready_order_.end());
@@ -332,8 +333,8 @@ class bucketed_reduce {
   template <class Set>
   void accumulate(Set& s, std::size_t i, bool unused) {
     using ops = typename Set::backend_type::immediate;
-    if (!has_accum_) allocate_accum(s);
-    tensor_ref const acc = slot(s, buckets_[locator_[i].bucket].accum, i);
+    if (!layout_.has_accum) layout_.template allocate_accum<typename Set::backend_type>(s.devices[0]);
+    tensor_ref const acc = slot(s, layout_.buckets[layout_.locator[i].bucket].accum, i);
     if (accumulated_ == 0) ops::zero(acc);
     if (!unused) ops::add_scaled(acc, s.grads[0][i], static_cast<double>(s.batch));
   }
@@ -347,7 +348,7 @@ class bucketed_reduce {
       if (unused) ops::zero(grad);
     } else {
       double const n = static_cast<double>(s.batch);
-      tensor_ref const acc = slot(s, buckets_[locator_[i].bucket].accum, i);
+      tensor_ref const acc = slot(s, layout_.buckets[layout_.locator[i].bucket].accum, i);
       if (!unused) ops::add_scaled(acc, grad, n);
       ops::copy(grad, acc);
       ops::scale(grad, 1.0 / (static_cast<double>(accumulated_) + n));
@@ -359,7 +360,7 @@ class bucketed_reduce {
   template <class Set>
   void stage_copy(Set& s, std::size_t i, bool unused) {
     using ops = typename Set::backend_type::immediate;
-    detail::reducer_bucket& bucket = buckets_[locator_[i].bucket];
+    detail::reducer_bucket& bucket = layout_.buckets[layout_.locator[i].bucket];
     bucket.copied = true;
     tensor_ref const dst = slot(s, bucket.storage, i);
     if (accumulated_ == 0) {
@@ -384,104 +385,33 @@ class bucketed_reduce {
     else Ops::scale(t, scale);
   }
 
-  // ---- Planning -----------------------------------------------------------------------------------
+  // ---- Planning ---------------------------------------------------------------------------------
 
+  // Copying buckets over the parameters in `order` (a sharded reduction pads each bucket's storage).
   template <class Set>
   void plan(Set& s, std::vector<std::size_t> const& order) {
     using backend = typename Set::backend_type;
-    auto const& params = s.params[0];
-    counts_.clear();
-    std::vector<dtype> dtypes;
-    for (auto const& p : params) {
-      counts_.push_back(p.size());
-      dtypes.push_back(p.dtype());
-    }
-    check_caps(s);
-    plan_ = plan_buckets(counts_, dtypes, order, mib(s.opts.first_bucket_cap_mb), mib(s.opts.bucket_cap_mb));
-    index_buckets();
-    for (std::size_t b = 0; b < plan_.size(); ++b) {
-      std::size_t elements = plan_[b].elements;
-      if constexpr (sharded) elements = Sharded::padded_elements(elements, s.world_size());
-      buckets_[b].storage = backend::allocate(s.devices[0], elements * size_of(plan_[b].dtype));
-    }
+    layout_.template plan_copies<backend>(s.params[0], s.opts, order, s.devices[0], [&](std::size_t elements) {
+      if constexpr (sharded) return Sharded::padded_elements(elements, s.world_size());
+      else return elements;
+    });
     if constexpr (sharded) static_cast<Sharded&>(*this).on_plan(s);
-    // A rebuild (after a synchronised step: nothing is accumulated) lays the no_sync storage out
-    // anew at once when it was in use. See Note [Steady-state allocations].
-    if (has_accum_) allocate_accum(s);
   }
 
-  // gradient_as_bucket_view: the buckets follow the gradients' memory (core/bucket_views.hpp).
-  template <class Set>
-  void plan_views(Set& s) {
-    auto const& grads = s.grads[0];
-    check_caps(s);
-    counts_.assign(grads.size(), 0);
-    for (std::size_t i = 0; i < grads.size(); ++i) counts_[i] = grads[i].size();
-    auto views = detail::plan_bucket_views(grads, mib(s.opts.first_bucket_cap_mb), mib(s.opts.bucket_cap_mb), s.rank());
-    plan_ = std::move(views.buckets);
-    base_slot_ = std::move(views.base_slot);
-    plan_error_ = std::move(views.error);  // raised on every rank by the check
-    index_buckets();
-    has_accum_ = false;
-  }
-
-  static std::size_t mib(double m) { return static_cast<std::size_t>(std::llround(m * 1024.0 * 1024.0)); }
-
-  template <class Set>
-  static void check_caps(Set& s) {
-    detail::require(s.opts.bucket_cap_mb > 0 && s.opts.first_bucket_cap_mb > 0,
-                    "DDP: expected bucket_cap_mb and first_bucket_cap_mb > 0, found " +
-                        std::to_string(s.opts.bucket_cap_mb) + " and " + std::to_string(s.opts.first_bucket_cap_mb));
-  }
-
-  // A fresh bucket per planned bucket, and each parameter's locator.
-  void index_buckets() {
-    buckets_.clear();
-    buckets_.resize(plan_.size());
-    locator_.assign(counts_.size(), detail::bucket_locator{});
-    for (std::size_t b = 0; b < plan_.size(); ++b)
-      for (std::size_t k = 0; k < plan_[b].params.size(); ++k) locator_[plan_[b].params[k]] = {b, k, plan_[b].offsets[k]};
-  }
-
-  template <class Set>
-  void allocate_accum(Set& s) {
-    using backend = typename Set::backend_type;
-    for (std::size_t b = 0; b < plan_.size(); ++b)
-      buckets_[b].accum = backend::allocate(s.devices[0], plan_[b].elements * size_of(plan_[b].dtype));
-    has_accum_ = true;
-  }
-
-  // The bucket's memory: its storage, or (views) a view of the gradients from its lowest one.
   template <class Set>
   tensor_ref bucket_ref(Set& s, std::size_t b) const {
-    auto const& spec = plan_[b];
-    if (!bucket_views_) return tensor_ref(buckets_[b].storage.get(), spec.elements, spec.dtype, s.devices[0]);
-    if (spec.elements == 0) return tensor_ref(nullptr, 0, spec.dtype);
-    tensor_ref const lowest = s.grads[0][spec.params[base_slot_[b]]];
-    return tensor_ref(lowest.data(), spec.elements, spec.dtype, lowest.device());
+    return layout_.whole(b, s.grads[0], s.devices[0]);
   }
-
-  // Parameter i's slot of bucket memory `m` (its storage or its accumulation), on the replica's device.
   template <class Set>
   tensor_ref slot(Set& s, std::shared_ptr<std::byte> const& m, std::size_t i) const {
-    detail::bucket_locator const& at = locator_[i];
-    dtype const t = plan_[at.bucket].dtype;
-    return tensor_ref(m.get() + at.offset * size_of(t), counts_[i], t, s.devices[0]);
+    return layout_.slot(m, i, s.devices[0]);
   }
 
-  // The plan and the buckets (same index, launch order); the parameters (model order).
-  std::vector<bucket_spec> plan_;
-  std::vector<std::size_t> base_slot_;  // bucket views: the plan's slot of each bucket's lowest gradient
-  std::vector<detail::reducer_bucket> buckets_;
-  std::vector<std::size_t> counts_;             // elements of each parameter
-  std::vector<detail::bucket_locator> locator_;  // where each parameter lies in the buckets
-  detail::hook_slot comm_hook_;                 // register_comm_hook's hook, if any
-  bool bucket_views_ = false;                   // options::gradient_as_bucket_view
-  bool gradients_bound_ = false;                // the model's gradients were laid out here (bind_replica_gradients)
-  bool rebuilt_ = false;                        // the plan follows the first step's ready order
-  bool has_accum_ = false;                      // the buckets have their no_sync storage
-  std::string plan_error_;                      // views: why this rank's gradients cannot be bucketed
-  std::size_t accumulated_ = 0;                 // samples accumulated under no_sync since the last synced step
+  detail::bucket_layout layout_;  // the plan, each parameter's place in it, each bucket's memory and progress
+  detail::hook_slot comm_hook_;   // register_comm_hook's hook, if any
+  bool gradients_bound_ = false;  // the model's gradients were laid out here (bind_replica_gradients)
+  bool rebuilt_ = false;          // the plan follows the first step's ready order
+  std::size_t accumulated_ = 0;   // samples accumulated under no_sync since the last synced step
 
   // This step's (refilled in place; see Note [Steady-state allocations]).
   route route_ = route::copy;

@@ -2,7 +2,7 @@
 // The policy interface in one place (docs/writing-policies.md): what a policy hook may rely on in
 // the set it receives (policy_set, composed from one named concept per part of the set), the four
 // slot concepts a bundle's member types satisfy, the backend capabilities the shipped policies
-// choose their path by, and the archetype set the slot concepts are checked against.
+// call through, and the archetype set the slot concepts are checked against.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
@@ -207,7 +207,7 @@ concept gather_policy = std::semiregular<P> && requires(std::vector<float>&& out
   P::gather(std::move(outs), s);
 };
 
-// ---- Backend capabilities the shipped policies choose their path by ------------------------------
+// ---- Backend capabilities the shipped policies call through ---------------------------------------
 
 namespace detail {
 /// Backends with the borrowed form of copy_all (host::backend, cuda::backend): the policies pass
@@ -222,6 +222,33 @@ concept borrowed_copy_all = requires(typename Backend::stream_type& s, std::span
 template <class Backend>
 concept borrowed_weighted_sum = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t,
                                          std::span<double const> w) { Backend::weighted_sum(s, t, t, w); };
+
+/// Backend::copy_all over lists the caller keeps: in one call, borrowed where the backend has that
+/// form, else over copies of the lists. The policies have one path either way.
+template <class Backend>
+auto copy_all_kept(typename Backend::stream_type& s, std::span<tensor_ref const> dst, std::span<tensor_ref const> src) {
+  if constexpr (borrowed_copy_all<Backend>)
+    return Backend::copy_all(s, dst, src);
+  else
+    return Backend::copy_all(s, std::vector<tensor_ref>(dst.begin(), dst.end()),
+                             std::vector<tensor_ref>(src.begin(), src.end()));
+}
+
+/// dst[j] = sum_i w[i] * src[j * w.size() + i] for every j, over lists the caller keeps: one call
+/// where the backend has the borrowed weighted_sum, one call per dst[j] otherwise.
+template <class Backend>
+void weighted_sums_kept(typename Backend::stream_type& s, std::span<tensor_ref const> dst,
+                        std::span<tensor_ref const> src, std::span<double const> w) {
+  if constexpr (borrowed_weighted_sum<Backend>) {
+    Backend::weighted_sum(s, dst, src, w);
+  } else {
+    for (std::size_t j = 0; j < dst.size(); ++j) {
+      auto const mine = src.subspan(j * w.size(), w.size());
+      Backend::weighted_sum(s, dst[j], std::vector<tensor_ref>(mine.begin(), mine.end()),
+                            std::vector<double>(w.begin(), w.end()));
+    }
+  }
+}
 }  // namespace detail
 
 DPARALLEL_NAMESPACE_END

@@ -26,7 +26,8 @@ namespace policy {
 /// plan_reduce): its stripes on host::backend, one contiguous slice per gradient on cuda::backend.
 /// See Note [Why stripes] (policy/concepts.hpp). On a backend with the borrowed weighted_sum a
 /// device's parts are one piece of work over lists the policy keeps as members
-/// (see Note [Steady-state allocations]); elsewhere each part is a call of its own.
+/// (see Note [Steady-state allocations]); elsewhere each part is a call of its own
+/// (detail::weighted_sums_kept).
 struct reduce_to_master {
   /// Nothing to prepare.
   template <class Set>
@@ -42,7 +43,6 @@ struct reduce_to_master {
   template <class Set>
   void finish(Set& s) {
     using backend = typename Set::backend_type;
-    constexpr bool borrowed = detail::borrowed_weighted_sum<backend>;
     constexpr dp_sharing how = detail::dp_sharing_of<backend>();
     active_.clear();
     w_.clear();
@@ -52,34 +52,23 @@ struct reduce_to_master {
       w_.push_back(s.weight(i));
     }
     std::size_t const m = active_.size();
-    if constexpr (borrowed) {
-      // See Note [Step scratch lifetime].
-      if (dst_.size() < m) dst_.resize(m);
-      if (src_.size() < m) src_.resize(m);
-    }
+    // See Note [Step scratch lifetime].
+    if (dst_.size() < m) dst_.resize(m);
+    if (src_.size() < m) src_.resize(m);
     std::span<tensor_ref const> const grads(s.grads[0]);
     for (std::size_t k = 0; k < m; ++k) {
       auto& stream = *s.streams[active_[k]];
       for (std::size_t j : active_)
         if (j != active_[k]) stream.wait(s.compute_done[j]);
-      if constexpr (borrowed) {  // one list per device, summed by one call
-        dst_[k].clear();
-        src_[k].clear();
-        detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
-          dst_[k].push_back(grads[r.tensor].subview(r.lo, r.hi - r.lo));
-          for (std::size_t i : active_) src_[k].push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
-        });
-        if (!dst_[k].empty())
-          backend::weighted_sum(stream, std::span<tensor_ref const>(dst_[k]), std::span<tensor_ref const>(src_[k]),
-                                std::span<double const>(w_));
-      } else {  // a call per part
-        detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
-          std::vector<tensor_ref> src;
-          src.reserve(m);
-          for (std::size_t i : active_) src.push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
-          backend::weighted_sum(stream, grads[r.tensor].subview(r.lo, r.hi - r.lo), std::move(src), w_);
-        });
-      }
+      dst_[k].clear();
+      src_[k].clear();
+      detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
+        dst_[k].push_back(grads[r.tensor].subview(r.lo, r.hi - r.lo));
+        for (std::size_t i : active_) src_[k].push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
+      });
+      if (!dst_[k].empty())
+        detail::weighted_sums_kept<backend>(stream, std::span<tensor_ref const>(dst_[k]),
+                                            std::span<tensor_ref const>(src_[k]), std::span<double const>(w_));
       if (active_[k] != 0) s.streams[0]->wait(stream.record());
     }
   }
@@ -87,8 +76,8 @@ struct reduce_to_master {
  private:
   std::vector<std::size_t> active_;  // the devices that ran a shard this step
   std::vector<double> w_;            // their shard weights
-  // Borrowed lists, per active device k: its slice of every gradient on the master, and the
-  // same slice on every active device (m per gradient).
+  // Per active device k: its slice of every gradient on the master, and the same slice on every
+  // active device (m per gradient).
   std::vector<std::vector<tensor_ref>> dst_, src_;
 };
 static_assert(reduce_policy<reduce_to_master>);
@@ -105,11 +94,8 @@ struct all_reduce_replicas : reduce_to_master {
     auto const reduced = s.streams[0]->record();
     for (std::size_t i = 1; i < s.size(); ++i) {
       s.streams[i]->wait(reduced);
-      if constexpr (detail::borrowed_copy_all<backend>)  // s.grads is refreshed only between steps
-        backend::copy_all(*s.streams[i], std::span<tensor_ref const>(s.grads[i]),
-                          std::span<tensor_ref const>(s.grads[0]));
-      else
-        backend::copy_all(*s.streams[i], s.grads[i], s.grads[0]);
+      // s.grads is refreshed only between steps: see Note [Step scratch lifetime].
+      detail::copy_all_kept<backend>(*s.streams[i], s.grads[i], s.grads[0]);
     }
   }
 };

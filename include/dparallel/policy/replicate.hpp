@@ -75,7 +75,8 @@ namespace policy {
 /// pulls the master's tensors whole on its own stream, one copy per tensor.
 /// See Note [Why stripes] (policy/concepts.hpp). On a backend with the borrowed copy_all each
 /// copier's copies are one piece of work on its stream over lists the policy keeps as members
-/// (see Note [Steady-state allocations]); elsewhere each replica's stream gets a list of its own.
+/// (see Note [Steady-state allocations]); elsewhere each copier's copies are one call over copies
+/// of its lists (detail::copy_all_kept).
 struct replicate_each_step {
   /// Nothing to do: replicas are refreshed before each step.
   template <class Set>
@@ -84,27 +85,14 @@ struct replicate_each_step {
   /// Copies the master's parameters and buffers to every replica that receives a shard.
   template <class Set>
   void before_step(Set& s) {
-    using backend = typename Set::backend_type;
-    auto const master_ready = s.streams[0]->record();
-    if constexpr (detail::borrowed_copy_all<backend>) {
-      planned(s, master_ready);
-    } else {  // no borrowed lists: each replica's stream copies all of its tensors
-      for (std::size_t i = 1; i < s.size(); ++i) {
-        if (!s.active(i)) continue;
-        std::vector<tensor_ref> dst, src;
-        detail::assign_joined(dst, s.params[i], s.bufs[i]);
-        detail::assign_joined(src, s.params[0], s.bufs[0]);
-        s.streams[i]->wait(master_ready);
-        s.streams[0]->wait(backend::copy_all(*s.streams[i], std::move(dst), std::move(src)));
-      }
-    }
+    planned(s, s.streams[0]->record());
   }
 
  private:
-  // The borrowed form. The copiers are the master and every replica that runs a shard; copier k
-  // of m issues its copies of the plan as one piece of work on its stream; then each copier waits
-  // for the copies that touch it (the master's compute for the reads of its buffers, a replica's
-  // for the writes into it).
+  // The copiers are the master and every replica that runs a shard; copier k of m issues its
+  // copies of the plan as one piece of work on its stream; then each copier waits for the copies
+  // that touch it (the master's compute for the reads of its buffers, a replica's for the writes
+  // into it).
   template <class Set>
   void planned(Set& s, typename Set::event_type const& master_ready) {
     using backend = typename Set::backend_type;
@@ -135,8 +123,7 @@ struct replicate_each_step {
       auto& stream = *s.streams[copiers_[k]];
       if (k != 0 && !dst_[k].empty()) stream.wait(master_ready);
       copied[k] = dst_[k].empty() ? typename Set::event_type{}
-                                  : backend::copy_all(stream, std::span<tensor_ref const>(dst_[k]),
-                                                      std::span<tensor_ref const>(src_[k]));
+                                  : detail::copy_all_kept<backend>(stream, dst_[k], src_[k]);
     }
     for (std::size_t a = 0; a < m; ++a)
       for (std::size_t k = 0; k < m; ++k)
