@@ -36,7 +36,9 @@ namespace {
 // A policy written from scratch (docs/writing-policies.md): DDP's reduce slot, averaging each
 // gradient with one all_reduce per parameter, in parameter order, after the step function is done
 // (no buckets, no overlap with backward). The communicator sums in rank order either way, so the
-// result is bitwise that of dparallel::ddp's bucketed all-reduce.
+// result is bitwise that of dparallel::ddp's bucketed all-reduce. Like every DDP reducer it weighs
+// this rank's gradient by s.join.scale first (exactly 1 unless options::uneven_inputs or
+// average_mode::samples make the ranks' contributions unequal; the MLP's gradients are float).
 struct per_parameter_all_reduce {
   template <dparallel::policy_set Set>
   void on_construct(Set& s) {
@@ -51,6 +53,9 @@ struct per_parameter_all_reduce {
   void finish(Set& s) {
     // Runs on the replica's stream, after its step function: the gradients are final there.
     s.streams[0]->enqueue([&s] {
+      if (double const scale = s.join.scale; scale != 1.0)
+        for (dparallel::tensor_ref const& g : s.grads[0])
+          for (float& x : g.template as<float>()) x = static_cast<float>(x * scale);
       std::vector<dparallel::work> pending;
       for (dparallel::tensor_ref const& g : s.grads[0]) pending.push_back(s.group.all_reduce(g, dparallel::reduce_op::avg));
       for (auto const& w : pending) w.wait();

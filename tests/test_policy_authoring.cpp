@@ -4,10 +4,12 @@
 
 #include <dparallel/dparallel.hpp>
 #include <dparallel/policy/replica_set.hpp>
+#include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace dpl = dparallel;
@@ -69,6 +71,61 @@ struct dp_both : dpl::dp {
   using reduce = reverse_sum_to_master;
 };
 
+/// Reduce (DDP, host memory, float gradients) written from the documented interface: this rank's
+/// gradients weighed by join.scale, then averaged over the ranks by one all-reduce per parameter.
+struct per_parameter_average {
+  template <dpl::policy_set Set>
+  void on_construct(Set&) {}
+  template <dpl::policy_set Set>
+  void begin_step(Set&) {}
+  template <dpl::policy_set Set>
+  void grad_ready(Set&, int, std::size_t) {}
+  template <dpl::policy_set Set>
+  void finish(Set& s) {
+    s.streams[0]->enqueue([&s] {
+      std::vector<dpl::work> pending;
+      for (dpl::tensor_ref const& g : s.grads[0]) {
+        if (s.join.scale != 1.0) dpl::host::scale(g, s.join.scale);
+        pending.push_back(s.group.all_reduce(g, dpl::reduce_op::avg));
+      }
+      for (auto const& w : pending) w.wait();
+    });
+  }
+};
+static_assert(dpl::reduce_policy<per_parameter_average>);
+
+struct ddp_per_parameter : dpl::ddp {
+  using reduce = per_parameter_average;
+};
+
+/// Each rank's gradients after each of `steps` DDP steps, rank r stepping on batch[r] samples
+/// under average_mode::samples.
+template <class Semantics>
+std::vector<std::vector<double>> sample_weighted(std::vector<std::size_t> const& batch, int steps) {
+  std::vector<std::vector<double>> out(batch.size());
+  dpl::spawn(static_cast<int>(batch.size()), [&](dpl::rank_context& rank) {
+    auto const r = static_cast<std::size_t>(rank.rank());
+    std::size_t first = 0, rows = 0;
+    for (std::size_t q = 0; q < batch.size(); ++q) {
+      if (q < r) first += batch[q];
+      rows += batch[q];
+    }
+    model m({3, 5, 1, 8}, 7);
+    dpl::options o;
+    o.average = dpl::average_mode::samples;
+    dpl::parallel<model, Semantics> ddp(m, rank.group(), o);
+    for (int k = 0; k < steps; ++k) {
+      auto const d = test::dataset<float>::make(rows, m.dim, 40 + static_cast<std::uint64_t>(k), false);
+      ddp.step(dpl::slice_batch(d.all(), first, first + batch[r]),
+               [](model& x, test::samples<float> s) { x.forward_backward(s); });
+      auto const g = test::flat(m, true);
+      out[r].insert(out[r].end(), g.begin(), g.end());
+      m.sgd(0.05F);
+    }
+  });
+  return out;
+}
+
 std::vector<double> one_device_gradient(test::dataset<float> const& d) {
   model m;
   m.forward_backward(d.all());
@@ -122,4 +179,19 @@ TEST_CASE("a from-scratch policy trains like the built-in one over steps", "[hos
     b.sgd(0.1F);
   }
   CHECK(test::same_bits(a, b));
+}
+
+// join.scale is part of the interface (policy_set_join): a reducer written from the documentation
+// that applies it averages sample-weighted exactly as dparallel::ddp does, bit for bit (both scale
+// each gradient once, and the host engine sums in rank order either way).
+TEST_CASE("a DDP reduce written from the interface weighs by join.scale as dparallel::ddp does",
+          "[host][ddp][policy][join][contract]") {
+  std::vector<std::size_t> const batch{4, 6, 3};  // join.scale = 3 * n_r / 13: never 1
+  auto const custom = sample_weighted<ddp_per_parameter>(batch, 3);
+  auto const builtin = sample_weighted<dpl::ddp>(batch, 3);
+  for (std::size_t r = 0; r < batch.size(); ++r) {
+    INFO("rank " << r);
+    CHECK(custom[r] == builtin[r]);
+    CHECK(custom[r] == custom[0]);
+  }
 }

@@ -20,6 +20,8 @@ DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
 /// DDP: this rank's part in the current synchronised step, decided by join_control (policy/join.hpp).
+/// `scale` and `root` are part of the policy interface (policy_set_join, policy/concepts.hpp);
+/// `active` is join_control's own.
 struct join_step {
   double scale = 1.0;   ///< factor on this rank's gradient before the average over the ranks (0: zeros)
   int root = 0;         ///< the rank whose buffers are broadcast (the lowest one still stepping)
@@ -52,7 +54,6 @@ struct replica_set {
   std::vector<std::size_t> shard_sizes;    ///< per device; 0 = no shard this step
   std::vector<std::size_t> shard_offsets;  ///< per device
   std::vector<event_type> compute_done;    ///< per device: the step function's completion
-  std::vector<event_type> copied;          ///< per device: its share of the replicas' refresh (replicate_each_step)
 
   [[nodiscard]] std::size_t size() const noexcept { return devices.size(); }
   [[nodiscard]] int rank() const { return group.valid() ? group.rank() : 0; }

@@ -109,17 +109,18 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   }
   /// The elements of this rank's shard of bucket `b` that are gradients (the rest is padding).
   [[nodiscard]] std::size_t shard_valid(std::size_t b) const {
-    std::size_t const lo = shard_offset(b), e = this->buckets_.at(b).elements;
+    std::size_t const lo = shard_offset(b), e = this->layout_.plan.at(b).elements;
     return lo >= e ? 0 : std::min(shard_elements(b), e - lo);
   }
   /// This rank's shard of bucket `b`'s averaged gradient, after a synchronised step.
   [[nodiscard]] tensor_ref grad_shard(std::size_t b) const {
-    return tensor_ref(shards_.at(b).get(), shard_elements(b), this->buckets_[b].dtype, device_);
+    return tensor_ref(shards_.at(b).get(), shard_elements(b), this->layout_.plan[b].dtype, device_);
   }
   /// Bucket `b`'s whole padded storage (free between steps).
   [[nodiscard]] tensor_ref bucket_storage(std::size_t b) const {
-    auto const& spec = this->buckets_.at(b);
-    return tensor_ref(this->storage_.at(b).get(), padded_elements(spec.elements, world_), spec.dtype, device_);
+    auto const& spec = this->layout_.plan.at(b);
+    return tensor_ref(this->layout_.buckets.at(b).storage.get(), padded_elements(spec.elements, world_), spec.dtype,
+                      device_);
   }
   /// Synchronised steps reduced so far (the gradient shards are fresh when it grew).
   [[nodiscard]] std::uint64_t reductions() const noexcept { return reductions_; }
@@ -135,7 +136,8 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   /// Bytes of gradient-shard storage this rank holds.
   [[nodiscard]] std::size_t grad_shard_bytes() const noexcept {
     std::size_t n = 0;
-    for (std::size_t b = 0; b < shard_elements_.size(); ++b) n += shard_elements_[b] * size_of(this->buckets_[b].dtype);
+    for (std::size_t b = 0; b < shard_elements_.size(); ++b)
+      n += shard_elements_[b] * size_of(this->layout_.plan[b].dtype);
     return n;
   }
 
@@ -150,7 +152,7 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
     shard_elements_.clear();
     shards_.clear();
     pads_.clear();
-    for (auto const& b : this->buckets_) {
+    for (auto const& b : this->layout_.plan) {
       std::size_t const m = padded_elements(b.elements, world_) / static_cast<std::size_t>(world_);
       shard_elements_.push_back(m);
       shards_.push_back(backend::allocate(device_, m * size_of(b.dtype)));
@@ -179,8 +181,8 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
 
   // The zeros that pad bucket b to a multiple of the world size, after its gradients.
   void pad_list(std::size_t b, std::vector<tensor_ref>& list) const {
-    std::size_t const pad = padded_elements(this->buckets_[b].elements, world_) - this->buckets_[b].elements;
-    if (pad != 0) list.emplace_back(pads_[b].get(), pad, this->buckets_[b].dtype, device_);
+    std::size_t const pad = padded_elements(this->layout_.plan[b].elements, world_) - this->layout_.plan[b].elements;
+    if (pad != 0) list.emplace_back(pads_[b].get(), pad, this->layout_.plan[b].dtype, device_);
   }
 
   [[nodiscard]] bool scattering() const noexcept { return scatter_now_; }
@@ -195,12 +197,12 @@ class bucketed_reduce_scatter : public bucketed_reduce<false, bucketed_reduce_sc
   void reduced(Set& s) {
     using ops = typename Set::backend_type::immediate;
     if (!scatter_now_) {
-      for (std::size_t b = 0; b < this->buckets_.size(); ++b) {
-        auto const& spec = this->buckets_[b];
+      for (std::size_t b = 0; b < this->layout_.plan.size(); ++b) {
+        auto const& spec = this->layout_.plan[b];
         std::size_t const lo = shard_offset(b), hi = lo + shard_valid(b);
         tensor_ref const shard = grad_shard(b);
         for (std::size_t k = 0; k < spec.params.size(); ++k) {
-          std::size_t const first = spec.offsets[k], last = first + this->counts_[spec.params[k]];
+          std::size_t const first = spec.offsets[k], last = first + this->layout_.counts[spec.params[k]];
           std::size_t const a = std::max(first, lo), z = std::min(last, hi);
           if (a >= z) continue;
           ops::copy(shard.subview(a - lo, z - a), s.grads[0][spec.params[k]].subview(a - first, z - a));

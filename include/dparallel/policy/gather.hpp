@@ -4,7 +4,7 @@
 #include <dparallel/config.hpp>
 #include <dparallel/core/buffer.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/policy/replicate.hpp>
+#include <dparallel/policy/concepts.hpp>
 
 #include <algorithm>
 #include <concepts>
@@ -68,12 +68,6 @@ struct gather_traits<buffer<T>> {
 
 template <class Out>
 concept gatherable = requires(std::vector<Out>&& v) { gather_traits<Out>::concat(std::move(v)); };
-
-/// A gather policy turns the outputs of the replicas that ran (device order) into step()'s result.
-template <class P>
-concept gather_policy = std::semiregular<P> && requires(std::vector<float>&& outs, detail::archetype_set& s) {
-  P::gather(std::move(outs), s);
-};
 
 namespace policy {
 

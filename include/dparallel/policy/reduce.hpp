@@ -3,6 +3,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/dp_plan.hpp>
+#include <dparallel/policy/concepts.hpp>
 #include <dparallel/policy/replicate.hpp>
 
 #include <concepts>
@@ -11,25 +12,6 @@
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
-
-/// A reduce policy is told when a step starts, when a replica's gradient is ready (from
-/// step_context::grad_ready, on that replica's stream), and when every step function has been
-/// enqueued; finish() enqueues the remaining reduction work.
-template <class P>
-concept reduce_policy = std::semiregular<P> && requires(P& p, detail::archetype_set& s, int r, std::size_t i) {
-  p.on_construct(s);
-  p.begin_step(s);
-  p.grad_ready(s, r, i);
-  p.finish(s);
-};
-
-namespace detail {
-/// Backends with the borrowed form of weighted_sum (host::backend, cuda::backend): several sums
-/// over lists the caller keeps, as one piece of work.
-template <class Backend>
-concept borrowed_weighted_sum = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t,
-                                         std::span<double const> w) { Backend::weighted_sum(s, t, t, w); };
-}  // namespace detail
 
 namespace policy {
 
@@ -41,11 +23,11 @@ namespace policy {
 /// reduction runs on all those devices at once (the sum of each element is the same expression
 /// whichever device computes it: the same bits as one device doing it all). The master's stream
 /// then waits for every part. A device's part is the backend's layout (core/dp_plan.hpp,
-/// plan_reduce): its stripes (64 KiB or more, dealt out round robin, core/stripes.hpp) on
-/// host::backend, one contiguous slice per gradient on cuda::backend. On a backend with the
-/// borrowed weighted_sum a device's parts are one piece of work over lists the policy keeps as
-/// members, refilled in place: a steady-state step allocates no list (the stream's work and
-/// events still do; see parallel::run_step); elsewhere each part is a call of its own.
+/// plan_reduce): its stripes on host::backend, one contiguous slice per gradient on cuda::backend.
+/// See Note [Why stripes] (policy/concepts.hpp). On a backend with the borrowed weighted_sum a
+/// device's parts are one piece of work over lists the policy keeps as members
+/// (see Note [Steady-state allocations]); elsewhere each part is a call of its own
+/// (detail::weighted_sums_kept).
 struct reduce_to_master {
   /// Nothing to prepare.
   template <class Set>
@@ -61,7 +43,6 @@ struct reduce_to_master {
   template <class Set>
   void finish(Set& s) {
     using backend = typename Set::backend_type;
-    constexpr bool borrowed = detail::borrowed_weighted_sum<backend>;
     constexpr dp_sharing how = detail::dp_sharing_of<backend>();
     active_.clear();
     w_.clear();
@@ -71,35 +52,23 @@ struct reduce_to_master {
       w_.push_back(s.weight(i));
     }
     std::size_t const m = active_.size();
-    if constexpr (borrowed) {
-      // Read by the sums until they complete: the step drains every stream before it returns
-      // (or throws), so the next step may refill them. Sized before the first enqueue.
-      if (dst_.size() < m) dst_.resize(m);
-      if (src_.size() < m) src_.resize(m);
-    }
+    // See Note [Step scratch lifetime].
+    if (dst_.size() < m) dst_.resize(m);
+    if (src_.size() < m) src_.resize(m);
     std::span<tensor_ref const> const grads(s.grads[0]);
     for (std::size_t k = 0; k < m; ++k) {
       auto& stream = *s.streams[active_[k]];
       for (std::size_t j : active_)
         if (j != active_[k]) stream.wait(s.compute_done[j]);
-      if constexpr (borrowed) {  // one list per device, summed by one call
-        dst_[k].clear();
-        src_[k].clear();
-        detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
-          dst_[k].push_back(grads[r.tensor].subview(r.lo, r.hi - r.lo));
-          for (std::size_t i : active_) src_[k].push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
-        });
-        if (!dst_[k].empty())
-          backend::weighted_sum(stream, std::span<tensor_ref const>(dst_[k]), std::span<tensor_ref const>(src_[k]),
-                                std::span<double const>(w_));
-      } else {  // a call per part
-        detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
-          std::vector<tensor_ref> src;
-          src.reserve(m);
-          for (std::size_t i : active_) src.push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
-          backend::weighted_sum(stream, grads[r.tensor].subview(r.lo, r.hi - r.lo), std::move(src), w_);
-        });
-      }
+      dst_[k].clear();
+      src_[k].clear();
+      detail::plan_reduce(how, m, k, grads, [&](detail::reduce_slice const& r) {
+        dst_[k].push_back(grads[r.tensor].subview(r.lo, r.hi - r.lo));
+        for (std::size_t i : active_) src_[k].push_back(s.grads[i][r.tensor].subview(r.lo, r.hi - r.lo));
+      });
+      if (!dst_[k].empty())
+        detail::weighted_sums_kept<backend>(stream, std::span<tensor_ref const>(dst_[k]),
+                                            std::span<tensor_ref const>(src_[k]), std::span<double const>(w_));
       if (active_[k] != 0) s.streams[0]->wait(stream.record());
     }
   }
@@ -107,8 +76,8 @@ struct reduce_to_master {
  private:
   std::vector<std::size_t> active_;  // the devices that ran a shard this step
   std::vector<double> w_;            // their shard weights
-  // Borrowed lists, per active device k: its slice of every gradient on the master, and the
-  // same slice on every active device (m per gradient).
+  // Per active device k: its slice of every gradient on the master, and the same slice on every
+  // active device (m per gradient).
   std::vector<std::vector<tensor_ref>> dst_, src_;
 };
 static_assert(reduce_policy<reduce_to_master>);
@@ -125,11 +94,8 @@ struct all_reduce_replicas : reduce_to_master {
     auto const reduced = s.streams[0]->record();
     for (std::size_t i = 1; i < s.size(); ++i) {
       s.streams[i]->wait(reduced);
-      if constexpr (detail::borrowed_copy_all<backend>)  // s.grads is refreshed only between steps
-        backend::copy_all(*s.streams[i], std::span<tensor_ref const>(s.grads[i]),
-                          std::span<tensor_ref const>(s.grads[0]));
-      else
-        backend::copy_all(*s.streams[i], s.grads[i], s.grads[0]);
+      // s.grads is refreshed only between steps: see Note [Step scratch lifetime].
+      detail::copy_all_kept<backend>(*s.streams[i], s.grads[i], s.grads[0]);
     }
   }
 };

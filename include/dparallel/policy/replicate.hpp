@@ -6,6 +6,7 @@
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/dp_plan.hpp>
 #include <dparallel/detail/replica_set.hpp>
+#include <dparallel/policy/concepts.hpp>
 
 #include <concepts>
 #include <cstddef>
@@ -13,43 +14,54 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
 
 namespace detail {
-struct archetype_model {
-  std::vector<float> p, g;
-  auto parameters() { return std::vector<tensor_ref>{}; }
-  auto gradients() { return std::vector<tensor_ref>{}; }
-};
-struct archetype_backend {
-  struct stream_type {};
-  struct event_type {};
-};
-using archetype_set = replica_set<archetype_model, archetype_backend>;
-
-/// Backends with the borrowed form of copy_all (host::backend, cuda::backend): the policies pass
-/// it lists they keep as members instead of building new vectors every step.
-template <class Backend>
-concept borrowed_copy_all = requires(typename Backend::stream_type& s, std::span<tensor_ref const> t) {
-  Backend::copy_all(s, t, t);
-};
-
 /// `out` = `a` followed by `b`, reusing out's storage.
 inline void assign_joined(std::vector<tensor_ref>& out, std::vector<tensor_ref> const& a,
                           std::vector<tensor_ref> const& b) {
   out.assign(a.begin(), a.end());
   out.insert(out.end(), b.begin(), b.end());
 }
-}  // namespace detail
 
-/// A replicate policy is told when the wrapper is built and before each step's compute.
-template <class P>
-concept replicate_policy = std::semiregular<P> && requires(P& p, detail::archetype_set& s) {
-  p.on_construct(s);
-  p.before_step(s);
+/// A std::vector<T> that a policy which is not a template keeps from step to step, for a T only
+/// its hooks know (the backend's event type): made at the first get<T>(), refilled in place after.
+/// A copy starts empty, so two wrappers never share one.
+class kept_vector {
+ public:
+  kept_vector() = default;
+  kept_vector(kept_vector const&) {}
+  kept_vector& operator=(kept_vector const& o) {
+    if (this != &o) *this = kept_vector();
+    return *this;
+  }
+  kept_vector(kept_vector&& o) noexcept : held_(std::move(o.held_)), type_(std::exchange(o.type_, nullptr)) {}
+  kept_vector& operator=(kept_vector&& o) noexcept {
+    held_ = std::move(o.held_);
+    type_ = std::exchange(o.type_, nullptr);
+    return *this;
+  }
+  ~kept_vector() = default;
+
+  template <class T>
+  std::vector<T>& get() {
+    if (type_ != &tag<T>) {
+      held_ = std::make_shared<std::vector<T>>();
+      type_ = &tag<T>;
+    }
+    return *static_cast<std::vector<T>*>(held_.get());
+  }
+
+ private:
+  template <class T>
+  static constexpr char tag = 0;  // its address names T
+  std::shared_ptr<void> held_;
+  void const* type_ = nullptr;
 };
+}  // namespace detail
 
 namespace policy {
 
@@ -58,14 +70,13 @@ namespace policy {
 /// every copy into it, and the master's own step for every copy out of it, so a step function may
 /// update the master's buffers (running statistics) without racing them.
 /// Who copies what is the backend's layout (core/dp_plan.hpp, plan_replica_copies):
-/// dp_sharing::stripes (host::backend) shares the copying out as the reduction is: each device
-/// that runs a shard copies its stripes of every master tensor into every other replica, the
-/// stripes it reduced and an optimizer stepped through the wrapper updated (optim::optimizer), so
-/// they are still in its cache. dp_sharing::per_device (cuda::backend) has each replica pull the
-/// master's tensors whole on its own stream, one copy per tensor. On a backend with the borrowed
-/// copy_all each copier's copies are one piece of work on its stream over lists the policy keeps
-/// as members, refilled in place (a steady-state step allocates no list; the stream's work and
-/// events still do; see run_step); elsewhere each replica's stream gets a list of its own.
+/// dp_sharing::stripes (host::backend): each device that runs a shard copies its stripes of every
+/// master tensor into every other replica; dp_sharing::per_device (cuda::backend): each replica
+/// pulls the master's tensors whole on its own stream, one copy per tensor.
+/// See Note [Why stripes] (policy/concepts.hpp). On a backend with the borrowed copy_all each
+/// copier's copies are one piece of work on its stream over lists the policy keeps as members
+/// (see Note [Steady-state allocations]); elsewhere each copier's copies are one call over copies
+/// of its lists (detail::copy_all_kept).
 struct replicate_each_step {
   /// Nothing to do: replicas are refreshed before each step.
   template <class Set>
@@ -74,27 +85,14 @@ struct replicate_each_step {
   /// Copies the master's parameters and buffers to every replica that receives a shard.
   template <class Set>
   void before_step(Set& s) {
-    using backend = typename Set::backend_type;
-    auto const master_ready = s.streams[0]->record();
-    if constexpr (detail::borrowed_copy_all<backend>) {
-      planned(s, master_ready);
-    } else {  // no borrowed lists: each replica's stream copies all of its tensors
-      for (std::size_t i = 1; i < s.size(); ++i) {
-        if (!s.active(i)) continue;
-        std::vector<tensor_ref> dst, src;
-        detail::assign_joined(dst, s.params[i], s.bufs[i]);
-        detail::assign_joined(src, s.params[0], s.bufs[0]);
-        s.streams[i]->wait(master_ready);
-        s.streams[0]->wait(backend::copy_all(*s.streams[i], std::move(dst), std::move(src)));
-      }
-    }
+    planned(s, s.streams[0]->record());
   }
 
  private:
-  // The borrowed form. The copiers are the master and every replica that runs a shard; copier k
-  // of m issues its copies of the plan as one piece of work on its stream; then each copier waits
-  // for the copies that touch it (the master's compute for the reads of its buffers, a replica's
-  // for the writes into it).
+  // The copiers are the master and every replica that runs a shard; copier k of m issues its
+  // copies of the plan as one piece of work on its stream; then each copier waits for the copies
+  // that touch it (the master's compute for the reads of its buffers, a replica's for the writes
+  // into it).
   template <class Set>
   void planned(Set& s, typename Set::event_type const& master_ready) {
     using backend = typename Set::backend_type;
@@ -104,8 +102,7 @@ struct replicate_each_step {
       if (s.active(i)) copiers_.push_back(i);
     std::size_t const m = copiers_.size();
     if (m < 2) return;  // no replica runs a shard
-    // Read by the copies until they complete: the step drains every stream before it returns (or
-    // throws), so the next step may refill them. Sized before the first enqueue.
+    // See Note [Step scratch lifetime].
     detail::assign_joined(master_, s.params[0], s.bufs[0]);
     if (dst_.size() < m) dst_.resize(m);
     if (src_.size() < m) src_.resize(m);
@@ -120,22 +117,23 @@ struct replicate_each_step {
         src_[k].push_back(master_[c.tensor].subview(c.lo, c.hi - c.lo));
       });
     }
-    s.copied.resize(s.size());
+    auto& copied = copied_.get<typename Set::event_type>();
+    copied.resize(m);
     for (std::size_t k = 0; k < m; ++k) {
       auto& stream = *s.streams[copiers_[k]];
       if (k != 0 && !dst_[k].empty()) stream.wait(master_ready);
-      s.copied[copiers_[k]] = dst_[k].empty() ? typename Set::event_type{}
-                                              : backend::copy_all(stream, std::span<tensor_ref const>(dst_[k]),
-                                                                  std::span<tensor_ref const>(src_[k]));
+      copied[k] = dst_[k].empty() ? typename Set::event_type{}
+                                  : detail::copy_all_kept<backend>(stream, dst_[k], src_[k]);
     }
     for (std::size_t a = 0; a < m; ++a)
       for (std::size_t k = 0; k < m; ++k)
-        if (!dst_[k].empty() && detail::replica_copies_touch(how, k, a)) s.streams[copiers_[a]]->wait(s.copied[copiers_[k]]);
+        if (!dst_[k].empty() && detail::replica_copies_touch(how, k, a)) s.streams[copiers_[a]]->wait(copied[k]);
   }
 
   std::vector<std::size_t> copiers_;                // the master, then the replicas that run a shard
   std::vector<tensor_ref> master_;                  // the master's parameters, then its buffers
   std::vector<std::vector<tensor_ref>> dst_, src_;  // per copier: its copies' targets and sources
+  detail::kept_vector copied_;                      // per copier: its copies' event (the backend's event_type)
 };
 static_assert(replicate_policy<replicate_each_step>);
 

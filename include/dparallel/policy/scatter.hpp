@@ -7,6 +7,7 @@
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/partition.hpp>
 #include <dparallel/core/profile.hpp>
+#include <dparallel/policy/concepts.hpp>
 
 #include <algorithm>
 #include <concepts>
@@ -19,22 +20,6 @@
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
-
-/// A scatter policy maps (batch size, number of local devices, options) to per-device shard
-/// sizes; entry i belongs to device i, missing or zero entries mean no shard for that device.
-/// The wrapper holds one policy object and calls `p.shard_sizes(b, n, o)` on it, so a static
-/// member function (the stateless policies below) and a member function (policies with state)
-/// both do.
-template <class P>
-concept scatter_policy = std::semiregular<P> && requires(P& p, std::size_t b, std::size_t n, options const& o) {
-  { p.shard_sizes(b, n, o) } -> std::same_as<std::vector<std::size_t>>;
-};
-
-/// A scatter policy that learns from the steps it planned: after every step that succeeded, the
-/// wrapper calls `p.observe(profile)` with that step's step_profile (shard sizes and each
-/// device's compute time among it). Optional: policies without observe() are never told.
-template <class P>
-concept observing_scatter_policy = scatter_policy<P> && requires(P& p, step_profile const& s) { p.observe(s); };
 
 namespace detail {
 /// Backends that move each DataParallel shard to its device (cuda::backend):
