@@ -153,9 +153,9 @@ struct compress_hook {
 
 }  // namespace detail
 
-/// fp16 compression of GPU buckets (see the top of backend/cuda/compress_hooks.hpp).
+/// fp16 compression of GPU buckets (see the top of policy/cuda/compress_hooks.hpp).
 inline constexpr detail::compress_hook<__half> fp16_compress{};
-/// bf16 compression of GPU buckets (see the top of backend/cuda/compress_hooks.hpp).
+/// bf16 compression of GPU buckets (see the top of policy/cuda/compress_hooks.hpp).
 inline constexpr detail::compress_hook<__nv_bfloat16> bf16_compress{};
 
 }  // namespace cuda

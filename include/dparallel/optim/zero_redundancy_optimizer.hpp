@@ -4,7 +4,7 @@
 // and the updated parameters are all-gathered bucket by bucket.
 //
 //   dparallel::parallel<model, dparallel::ddp_zero1> w(m, rank);   // was: parallel<model, ddp>
-//   dparallel::zero_redundancy_optimizer opt(w, my_rule{});        // any optim::update_rule
+//   dparallel::optim::zero_redundancy_optimizer opt(w, my_rule{}); // any optim::update_rule
 //   for (...) { w.step(batch, step_fn); opt.step(lr); }
 //
 // With zero_options{.overlap_gather = true} step() returns once the all-gathers are started, and
@@ -12,7 +12,7 @@
 // parameter i (docs/zero.md, "Overlapping the all-gather with the next forward").
 //
 // On the CUDA backend (NCCL engine) the same code runs with the CUDA optimizer kernels: include
-// <dparallel/backend/cuda/optim_kernels.hpp> (nvcc) first. The shard copies and the update run
+// <dparallel/optim/cuda/kernels.hpp> (nvcc) first. The shard copies and the update run
 // on one stream (optim::backend_kernels<cuda::backend>: the calling thread's, the legacy default
 // stream outside stream work), in issue order; see step() for the ordering against the
 // collectives.
@@ -47,9 +47,11 @@
 
 DPARALLEL_NAMESPACE_BEGIN
 
-namespace optim::detail {
+namespace optim {
+
+namespace detail {
 struct zero_state_access;  // optim/zero_checkpoint.hpp: saves and restores the sharded state
-}  // namespace optim::detail
+}  // namespace detail
 
 /// Options of zero_redundancy_optimizer.
 struct zero_options {
@@ -105,7 +107,7 @@ class zero_redundancy_optimizer {
       std::conditional_t<backend_type::kind == device_kind::host, host::backend, backend_type>>;
   static_assert(requires { sizeof(kernels); },
                 "dparallel: zero_redundancy_optimizer has no optimizer kernels for this backend: for cuda::backend "
-                "include <dparallel/backend/cuda/optim_kernels.hpp> (compiled by nvcc) before using it");
+                "include <dparallel/optim/cuda/kernels.hpp> (compiled by nvcc) before using it");
 
  public:
   /// The update rule.
@@ -124,8 +126,8 @@ class zero_redundancy_optimizer {
     std::string const where = "zero_redundancy_optimizer on rank " + std::to_string(w.group().rank()) + ": parameter ";
     for (std::size_t i = 0; i < params.size(); ++i) {
       dtype const t = params[i].dtype();
-      bool const half = detail::is_half(t);
-      detail::require(t == dtype::f32 || (half && opts_.master_weights), [&] {
+      bool const half = dparallel::detail::is_half(t);
+      dparallel::detail::require(t == dtype::f32 || (half && opts_.master_weights), [&] {
         return where + std::to_string(i) + " is " + std::string(name_of(t)) +
                (half ? "; 16-bit parameters are updated through an F32 master copy of each rank's shard: build the "
                        "optimizer with zero_options{.master_weights = true}"
@@ -232,7 +234,7 @@ class zero_redundancy_optimizer {
   /// The same, in optim::optimizer's form (`opt.step(w, lr)`): `w` must be the wrapper the
   /// optimizer was built over.
   void step(Wrapper& w, double lr) {
-    detail::require(&w == w_, "zero_redundancy_optimizer::step: expected the wrapper the optimizer was built over, "
+    dparallel::detail::require(&w == w_, "zero_redundancy_optimizer::step: expected the wrapper the optimizer was built over, "
                               "found another one");
     step(lr);
   }
@@ -304,7 +306,7 @@ class zero_redundancy_optimizer {
         auto const& spec = r.buckets()[b];
         std::size_t at = 0;  // copying buckets lay their gradients out one after the other, as the list
         for (std::size_t k = 0; k < spec.params.size(); ++k) {
-          detail::require(spec.offsets[k] == at, "zero_redundancy_optimizer: expected bucket gradients laid out in "
+          dparallel::detail::require(spec.offsets[k] == at, "zero_redundancy_optimizer: expected bucket gradients laid out in "
                                                  "slot order");
           at += params[spec.params[k]].size();
         }
@@ -326,7 +328,7 @@ class zero_redundancy_optimizer {
     // The master shards of the 16-bit buckets: this rank's piece of each parameter, widened.
     masters_.assign(bucket_count_, nullptr);
     for (std::size_t b = 0; b < bucket_count_; ++b) {
-      if (!detail::is_half(r.buckets()[b].dtype) || r.shard_elements(b) == 0) continue;
+      if (!dparallel::detail::is_half(r.buckets()[b].dtype) || r.shard_elements(b) == 0) continue;
       std::size_t const m = r.shard_elements(b), lo = r.shard_offset(b), valid = r.shard_valid(b);
       masters_[b] = backend_type::allocate(w_->devices()[0], m * sizeof(float));  // zeroed: the padding
       state_elements_ += m;
@@ -471,5 +473,11 @@ class zero_redundancy_optimizer {
   std::function<void()> restore_;  // fills the state at its allocation from a loaded checkpoint
   std::string state_set_;  // the ZeRO save set last loaded or saved (optim/detail/zero_sets.hpp)
 };
+
+}  // namespace optim
+
+// The names they had before they moved into optim (the same class template and options).
+using optim::zero_options;
+using optim::zero_redundancy_optimizer;
 
 DPARALLEL_NAMESPACE_END

@@ -6,7 +6,7 @@
 // code (__fmul_rn, __fadd_rn, __fdiv_rn, __fsqrt_rn), which nvcc never contracts into FMAs, so a
 // GPU update gives the same bits as the host's.
 //
-//   #include <dparallel/backend/cuda/optim_kernels.hpp>
+//   #include <dparallel/optim/cuda/kernels.hpp>
 //   dparallel::data_parallel<my_model, dparallel::cuda::backend> dp(model, dparallel::cuda::devices(2));
 //   dparallel::optim::optimizer opt(dp, dparallel::optim::adam());   // state in GPU memory
 //   dp.step(batch, step_fn);
@@ -107,7 +107,7 @@ inline cudaStream_t optim_stream(device at) {
 
 namespace optim {
 
-/// The CUDA backend: one kernel per parameter tensor (see backend/cuda/optim_kernels.hpp).
+/// The CUDA backend: one kernel per parameter tensor (see optim/cuda/kernels.hpp).
 template <>
 struct backend_kernels<cuda::backend> {
   /// The slot pointers `s` as a kernel parameter; refuses a rule with no per-element form.
@@ -134,7 +134,7 @@ struct backend_kernels<cuda::backend> {
     cuda::check(cudaGetLastError(), "optimizer update kernel", p.device());
   }
   /// Launches the master-copy update of the 16-bit tensor `p` (see the top of
-  /// backend/cuda/optim_kernels.hpp); `master` is F32 GPU memory of p.size() elements.
+  /// optim/cuda/kernels.hpp); `master` is F32 GPU memory of p.size() elements.
   template <update_rule R>
   static void apply_master(R const&, typename R::step_constants const& c, tensor_ref p, tensor_ref g,
                            float* master, std::span<float* const> s) {
