@@ -38,7 +38,7 @@
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #if DPARALLEL_BENCH_MPI
 #include <dparallel/comm/mpi.hpp>
 #endif
@@ -183,7 +183,7 @@ measurement run_ddp(workload const& w, config const& c, std::size_t b, int ranks
     };
     if (zero) {
       dp::parallel<mlp, dp::ddp_zero1> z(model, rank.group());
-      dp::zero_redundancy_optimizer opt(z, dp::optim::sgd());
+      dp::optim::zero_redundancy_optimizer opt(z, dp::optim::sgd());
       run(z, [&] { opt.step(c.lr); });
     } else {
       dp::distributed_data_parallel<mlp> ddp(model, rank.group(), {.gradient_as_bucket_view = view});

@@ -16,7 +16,7 @@
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/optimizer.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
 #include <array>
@@ -120,8 +120,8 @@ result run(int world, std::size_t per, int rounds, int steps) {
     dpl::distributed_data_parallel<big_model> ddp(a, rank);
     dpl::parallel<big_model, dpl::ddp_zero1> zero(b, rank), overlap(c, rank);
     dpl::optim::optimizer ddp_opt(ddp, dpl::optim::adam{});  // DDP: the whole state on every rank
-    dpl::zero_redundancy_optimizer zero_opt(zero, dpl::optim::adam{});
-    dpl::zero_redundancy_optimizer overlap_opt(overlap, dpl::optim::adam{}, {.overlap_gather = true});
+    dpl::optim::zero_redundancy_optimizer zero_opt(zero, dpl::optim::adam{});
+    dpl::optim::zero_redundancy_optimizer overlap_opt(overlap, dpl::optim::adam{}, {.overlap_gather = true});
     std::vector<float> const batch{static_cast<float>(rank.rank() + 1) * 1e-3f};
     auto fn = [](big_model& m, std::span<float const> x, dpl::step_context& ctx) {
       m.forward([](std::size_t) {});

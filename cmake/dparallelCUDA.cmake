@@ -1,4 +1,5 @@
 # The CUDA and NCCL add-ons: the targets dparallel::cuda (CUDA backend: <dparallel/backend/cuda/...>,
+# its communication hooks and optimizer kernels: <dparallel/policy/cuda/...>, <dparallel/optim/cuda/...>;
 # CUDA runtime, CCCL's Thrust/CUB from the toolkit) and dparallel::nccl (<dparallel/comm/nccl.hpp>,
 # + NCCL found by cmake/FindNCCL.cmake). Enabled automatically when a CUDA compiler and the toolkit
 # are found (DPARALLEL_CUDA=AUTO), required with ON, skipped with OFF; dparallel::dparallel never

@@ -10,7 +10,7 @@
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/clip.hpp>
 #include <dparallel/optim/optimizer.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
 #include <dparallel/optim/state.hpp>
 #include <dparallel/optim/zero_checkpoint.hpp>
@@ -159,7 +159,7 @@ updater make_zero_update(config const& cfg, Wrapper& w) {
   namespace optim = dparallel::optim;
   auto const mode = cfg.zero_gathered ? optim::zero_save_mode::gathered : optim::zero_save_mode::sharded;
   return with_rule(cfg, [&w, mode, clip = cfg.clip_grad_norm](auto rule) -> updater {
-    auto opt = std::make_shared<dparallel::zero_redundancy_optimizer<decltype(rule), Wrapper>>(w, rule);
+    auto opt = std::make_shared<dparallel::optim::zero_redundancy_optimizer<decltype(rule), Wrapper>>(w, rule);
     return {[&w, opt, clip](double lr) {
               if (clip > 0) optim::clip_grad_norm_sharded(opt->gradient_shards(), w.group(), clip);
               opt->step(lr);

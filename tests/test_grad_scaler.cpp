@@ -8,7 +8,7 @@
 #include <dparallel/optim/grad_scaler.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 
 #include <catch2/catch.hpp>
 

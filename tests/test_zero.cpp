@@ -7,7 +7,7 @@
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/sgd.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
@@ -152,7 +152,7 @@ TEST_CASE("ZeRO-1 steady-state steps allocate no bucket, shard or state memory",
       auto const mine = dpl::slice_batch(d.all(), 4 * static_cast<std::size_t>(rank.rank()),
                                          4 * static_cast<std::size_t>(rank.rank()) + 4);
       dpl::parallel<model, dpl::ddp_zero1, counting_backend> w(m, rank, tiny ? test::zero_tiny_buckets() : dpl::options{});
-      dpl::zero_redundancy_optimizer opt(w, dpl::optim::adam{});
+      dpl::optim::zero_redundancy_optimizer opt(w, dpl::optim::adam{});
       for (std::size_t k = 0; k < after.size(); ++k) {
         w.step(mine, plain_step);
         opt.step(w, 1e-3);
@@ -183,7 +183,7 @@ TEST_CASE("ZeRO-1 with no_sync accumulation equals DDP with no_sync", "[host][ze
         auto const part = [&](std::size_t k) { return half_of_rank(d, rank.rank(), k); };
         if (zero) {
           dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
-          dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+          dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
           for (int step = 0; step < 3; ++step) {
             {
               auto s = w.no_sync();
@@ -223,7 +223,7 @@ TEST_CASE("ZeRO-1 leaves the model's gradients as the step function computed the
         auto const d = test::dataset<float>::make(8 * static_cast<std::size_t>(world), m.dim, 7, false);
         auto const part = [&](std::size_t k) { return half_of_rank(d, rank.rank(), k); };
         dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
-        dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+        dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
         bool ok = true;
         for (int step = 0; step < 3; ++step) {
           if (mode == 1) {
@@ -259,7 +259,7 @@ TEST_CASE("ZeRO-1: an update without a synchronised step is refused, naming the 
   auto const before_any = errors_of(2, [](dpl::rank_context& rank) {
     model m(test::zero_sizes());
     dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
-    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
     opt.step(0.1);
   });
   for (int r = 0; r < 2; ++r) {
@@ -271,7 +271,7 @@ TEST_CASE("ZeRO-1: an update without a synchronised step is refused, naming the 
     model m(test::zero_sizes());
     auto const d = test::dataset<float>::make(8, m.dim, 1, false);
     dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
-    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
     w.step(dpl::slice_batch(d.all(), 4 * static_cast<std::size_t>(rank.rank()), 4 * static_cast<std::size_t>(rank.rank()) + 4),
            plain_step);
     opt.step(0.1);
@@ -292,7 +292,7 @@ TEST_CASE("ZeRO-1: a step after an update written by hand (shards not used by th
     model m(test::zero_sizes());
     auto const d = test::dataset<float>::make(16, m.dim, 3, false);
     dpl::parallel<model, dpl::ddp_zero1> w(m, rank, test::zero_tiny_buckets());
-    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
     for (int step = 0; step < 3; ++step) {
       w.step(half_of_rank(d, rank.rank(), static_cast<std::size_t>(step % 2)), plain_step);
       if (optimizer) {
@@ -326,13 +326,13 @@ TEST_CASE("ZeRO-1 refuses gradient_as_bucket_view and parameters that are not f3
   auto const f64 = errors_of(2, [](dpl::rank_context& rank) {
     test::chunked<double> m(test::zero_sizes());
     dpl::parallel<test::chunked<double>, dpl::ddp_zero1> w(m, rank);
-    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
   });
   for (auto const& s : f64) CHECK_THAT(s, Catch::Contains("parameter 0 is F64, expected F32"));
   auto const bf16 = errors_of(2, [](dpl::rank_context& rank) {  // 16-bit: only with master shards
     test::half_chunked<dpl::bf16> m(test::zero_sizes(), 7);
     dpl::parallel<test::half_chunked<dpl::bf16>, dpl::ddp_zero1> w(m, rank);
-    dpl::zero_redundancy_optimizer opt(w, test::adam_like{});
+    dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{});
   });
   for (auto const& s : bf16) CHECK_THAT(s, Catch::Contains("parameter 0 is BF16") && Catch::Contains("master_weights = true"));
 }
@@ -419,7 +419,7 @@ TEST_CASE("ZeRO-1 with overlap_gather: a step that reads parameters without need
   auto const range = errors_of(2, [](dpl::rank_context& rank) {
     model m(test::zero_sizes());
     dpl::parallel<model, dpl::ddp_zero1> w(m, rank);
-    dpl::zero_redundancy_optimizer opt(w, test::adam_like{}, {.overlap_gather = true});
+    dpl::optim::zero_redundancy_optimizer opt(w, test::adam_like{}, {.overlap_gather = true});
     opt.need(test::zero_sizes().size());
   });
   for (auto const& s : range) CHECK_THAT(s, Catch::Contains("expected a parameter index below 6, found 6"));

@@ -9,7 +9,7 @@
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/rule.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 
 #include <array>
 #include <cmath>
@@ -93,7 +93,7 @@ zero_run train_zero_or_ddp(dparallel::process_group const& group, bool zero, boo
   };
   if (zero) {
     dparallel::parallel<model, dparallel::ddp_zero1> w(m, group, opts);
-    dparallel::zero_redundancy_optimizer opt(w, rule);
+    dparallel::optim::zero_redundancy_optimizer opt(w, rule);
     train(w, opt);
     auto const& r = w.reducer();
     auto const n = static_cast<std::size_t>(world);
@@ -122,7 +122,7 @@ inline overlap_run train_overlap(dparallel::process_group const& group, bool hoo
   int const world = group.size(), rank = group.rank();
   chunked<float> m(zero_sizes(), static_cast<std::uint64_t>(7 + rank));
   dparallel::parallel<chunked<float>, dparallel::ddp_zero1> w(m, group, tiny ? zero_tiny_buckets() : dparallel::options{});
-  dparallel::zero_redundancy_optimizer opt(w, adam_like{}, {.overlap_gather = true});
+  dparallel::optim::zero_redundancy_optimizer opt(w, adam_like{}, {.overlap_gather = true});
   overlap_run out;
   auto const fn = [&](chunked<float>& r, samples<float> s, dparallel::step_context& ctx) {
     if (!skip_need)
@@ -229,7 +229,7 @@ half_run train_half_rank(dparallel::process_group const& group, bool zero, bool 
   };
   if (zero) {
     dparallel::parallel<model, dparallel::ddp_zero1> w(m, group, opts);
-    dparallel::zero_redundancy_optimizer opt(w, adam_like{}, {.master_weights = true});
+    dparallel::optim::zero_redundancy_optimizer opt(w, adam_like{}, {.master_weights = true});
     train(w, opt);
     auto const& r = w.reducer();
     auto const n = static_cast<std::size_t>(world);

@@ -14,7 +14,7 @@
 #include <dparallel/io/checkpoint.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/zero_checkpoint.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
@@ -86,7 +86,7 @@ outcome job(fs::path const& dir, int to, optim::zero_save_mode mode, bool save) 
       id = optim::zero_state_id::recorded(ckpt.progress());
     }
     dpl::parallel<model, dpl::ddp_zero1> w(m, ctx.group(), test::zero_tiny_buckets());
-    dpl::zero_redundancy_optimizer opt(w, optim::adamw());
+    dpl::optim::zero_redundancy_optimizer opt(w, optim::adamw());
     int const from = static_cast<int>(ckpt.progress().step);
     if (id) optim::load_zero_state(dir / "opt.safetensors", opt, id);
     train_steps(ctx, m, w, opt, from, to);
@@ -233,7 +233,7 @@ TEST_CASE("A ZeRO-1 shard of another save, the checkpoint's save gone, or anothe
     dpl::spawn(world, [&](dpl::rank_context& ctx) {
       model m(test::zero_sizes(), 7);
       dpl::parallel<model, dpl::ddp_zero1> w(m, ctx.group(), test::zero_tiny_buckets());
-      dpl::zero_redundancy_optimizer opt(w, optim::adamw());
+      dpl::optim::zero_redundancy_optimizer opt(w, optim::adamw());
       try {
         load(opt);
       } catch (dpl::error const& e) {

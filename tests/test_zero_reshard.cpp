@@ -14,7 +14,7 @@
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/state.hpp>
 #include <dparallel/optim/zero_checkpoint.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
@@ -94,7 +94,7 @@ leg_result run_leg(leg l, int from, int to, fs::path const& in, fs::path const& 
     resume_model(m);
     if (l.how == kind::zero) {
       dpl::parallel<Model, dpl::ddp_zero1> w(m, ctx.group(), opts_for(tiny));
-      dpl::zero_redundancy_optimizer opt(w, rule, {.master_weights = master});
+      dpl::optim::zero_redundancy_optimizer opt(w, rule, {.master_weights = master});
       if (from > 0) optim::load_zero_state(in / "opt.safetensors", opt);
       body(rank, l.world, m, w, opt, [&] { optim::save_zero_state(out / "opt.safetensors", opt, l.mode); },
            [&](auto const& batch) { w.step(batch, fn); });
@@ -210,7 +210,7 @@ template <class Rule, class F>
 void train_zero(dpl::rank_context& ctx, Rule rule, std::vector<std::size_t> const& sizes, int steps, F then) {
   model m(sizes, 7);
   dpl::parallel<model, dpl::ddp_zero1> w(m, ctx.group(), test::zero_tiny_buckets());
-  dpl::zero_redundancy_optimizer opt(w, rule);
+  dpl::optim::zero_redundancy_optimizer opt(w, rule);
   for (int k = 0; k < steps; ++k) {
     auto const d = test::dataset<float>::make(4 * static_cast<std::size_t>(ctx.world_size()), m.dim,
                                               static_cast<std::uint64_t>(k + 1), false);

@@ -13,10 +13,10 @@
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/profile.hpp>
-#include <dparallel/core/rank_checks.hpp>
+#include <dparallel/detail/rank_checks.hpp>
 #include <dparallel/core/step_checks.hpp>
 #include <dparallel/core/step_context.hpp>
-#include <dparallel/detail/replica_set.hpp>
+#include <dparallel/policy/detail/replica_set.hpp>
 #include <dparallel/detail/step_plan.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
 #include <dparallel/detail/wrapper_checks.hpp>
@@ -313,7 +313,7 @@ class parallel {
     auto const entered = profile_clock::now();
     detail::plan_step(scatter_, rs_, batch_size(batch));
     rs_.refresh_views();
-    if constexpr (is_distributed_v<Semantics>) agreement_.check(rs_);  // under desync detection: core/rank_checks.hpp
+    if constexpr (is_distributed_v<Semantics>) agreement_.check(rs_);  // under desync detection: detail/rank_checks.hpp
     started_.resize(rs_.size());
     ended_.resize(rs_.size());
     auto const planned = profile_clock::now();

@@ -23,7 +23,7 @@
 #include "zero_train.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
-#include <dparallel/backend/cuda/compress_hooks.hpp>
+#include <dparallel/policy/cuda/compress_hooks.hpp>
 #include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/comm/nccl.hpp>
 #include <dparallel/dparallel.hpp>

@@ -17,7 +17,7 @@
 #include "cuda_linreg.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
-#include <dparallel/backend/cuda/compress_hooks.hpp>
+#include <dparallel/policy/cuda/compress_hooks.hpp>
 #include <dparallel/comm/desync.hpp>
 #include <dparallel/comm/hierarchical.hpp>
 #include <dparallel/comm/nccl.hpp>

@@ -4,7 +4,7 @@
 #include "../models.hpp"
 
 #include <dparallel/backend/cuda/backend.hpp>
-#include <dparallel/backend/cuda/optim_kernels.hpp>
+#include <dparallel/optim/cuda/kernels.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>

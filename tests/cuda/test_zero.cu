@@ -11,13 +11,13 @@
 #include "zero_train.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
-#include <dparallel/backend/cuda/optim_kernels.hpp>
+#include <dparallel/optim/cuda/kernels.hpp>
 #include <dparallel/comm/nccl.hpp>
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/sgd.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -164,7 +164,7 @@ std::vector<std::vector<std::uint16_t>> train_half(bool zero, dpl::options opts)
     };
     if (zero) {
       dpl::parallel<gpu_half, dpl::ddp_zero1, gpu> w(m, groups[r], o);
-      dpl::zero_redundancy_optimizer opt(w, rule, {.master_weights = true});
+      dpl::optim::zero_redundancy_optimizer opt(w, rule, {.master_weights = true});
       run(w, opt);
     } else {
       dpl::parallel<gpu_half, dpl::ddp, gpu> w(m, groups[r], o);

@@ -6,10 +6,10 @@
 #include "cuda_linreg.cuh"
 
 #include <dparallel/backend/cuda/backend.hpp>
-#include <dparallel/backend/cuda/optim_kernels.hpp>
+#include <dparallel/optim/cuda/kernels.hpp>
 #include <dparallel/dparallel.hpp>
 #include <dparallel/optim/optimizer.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -59,7 +59,7 @@ std::vector<float> train_rank(bool zero, Rule const& rule, dparallel::options o,
   };
   if (zero) {
     dpl::parallel<model, dpl::ddp_zero1, gpu> w(m, group, o);
-    dpl::zero_redundancy_optimizer opt(w, rule);
+    dpl::optim::zero_redundancy_optimizer opt(w, rule);
     run(w, opt);
   } else {
     dpl::parallel<model, dpl::ddp, gpu> w(m, group, o);

@@ -190,7 +190,7 @@ class desync_detector {
   /// Aborts the wrapped group: every pending and future wait of every rank fails.
   void abort(std::string why) { inner_.abort(std::move(why)); }
 
-  /// True: DDP over this group checks each step that the ranks step alike (core/rank_checks.hpp).
+  /// True: DDP over this group checks each step that the ranks step alike (detail/rank_checks.hpp).
   [[nodiscard]] bool detects_desync() const noexcept { return true; }
 
   /// The wrapped group's timeout.

@@ -20,7 +20,7 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/comm/desync.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 
 #include <algorithm>
 #include <chrono>

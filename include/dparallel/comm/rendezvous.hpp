@@ -41,7 +41,7 @@
 #include <dparallel/comm/rendezvous_server.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/options.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 
 #include <netdb.h>
 #include <netinet/in.h>

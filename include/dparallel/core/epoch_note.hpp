@@ -1,6 +1,6 @@
 #pragma once
 // The epoch of the distributed_sampler a thread made or set last, for DDP's per-step cross-rank
-// check under desync detection (core/rank_checks.hpp: a rank that forgot set_epoch reads the last
+// check under desync detection (detail/rank_checks.hpp: a rank that forgot set_epoch reads the last
 // epoch's order again). A thread-local word: the sampler writes it, the step reads it.
 
 #include <dparallel/config.hpp>

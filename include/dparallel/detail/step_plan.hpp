@@ -8,7 +8,7 @@
 #include <dparallel/core/memory_overlap.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
-#include <dparallel/detail/replica_set.hpp>
+#include <dparallel/policy/detail/replica_set.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
 
 #include <cstddef>

@@ -33,7 +33,7 @@
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/data/distributed_sampler.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
 

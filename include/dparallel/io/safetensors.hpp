@@ -35,7 +35,7 @@
 #include <dparallel/io/detail/atomic_file.hpp>
 #include <dparallel/io/detail/file_watch.hpp>
 #include <dparallel/io/detail/json.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 #include <dparallel/io/detail/safetensors_header.hpp>
 
 #include <algorithm>

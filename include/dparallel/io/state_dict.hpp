@@ -44,7 +44,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/tensor_view.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 #include <dparallel/io/detail/staging.hpp>
 #include <dparallel/io/safetensors.hpp>
 

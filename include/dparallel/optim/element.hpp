@@ -5,7 +5,7 @@
 //   static void update(step_constants const& c, float& p, float g, float* const* s, std::size_t i)
 // (one parameter element p, its gradient g, and s[k][i], the element's value of slot k). Its
 // `apply` is then `optim::apply_elements(c, p, g, s)` (a loop over i), and the CUDA kernel in
-// backend/cuda/optim_kernels.hpp calls the same `update` once per thread. Every operation goes
+// optim/cuda/kernels.hpp calls the same `update` once per thread. Every operation goes
 // through the functions below: on the device they are the round-to-nearest intrinsics, which
 // nvcc never fuses into a multiply-add, so host and device compute the same operations in the
 // same order and give the same bits. (The host side assumes the compiler does not contract

@@ -78,7 +78,7 @@ constexpr std::string_view rule_name() {
 /// updates one tensor, apply_master the same through an F32 master copy, widen fills a master
 /// copy, copy(dst, src) copies in order with the updates, finish(device) returns once every
 /// update issued is done. This is the
-/// host's; backend/cuda/optim_kernels.hpp specialises it for cuda::backend.
+/// host's; optim/cuda/kernels.hpp specialises it for cuda::backend.
 template <class Backend>
 struct backend_kernels;
 
@@ -151,7 +151,7 @@ template <update_rule Rule, class Backend = host::backend>
 class optimizer {
   static_assert(requires { sizeof(backend_kernels<Backend>); },
                 "dparallel: optim::optimizer has no kernels for this backend: for cuda::backend include "
-                "<dparallel/backend/cuda/optim_kernels.hpp> (compiled by nvcc) before using it");
+                "<dparallel/optim/cuda/kernels.hpp> (compiled by nvcc) before using it");
 
  public:
   /// The update rule.
@@ -166,7 +166,7 @@ class optimizer {
   explicit optimizer(X& model_or_wrapper, Rule rule = Rule{}, optimizer_options o = {}) : rule_(std::move(rule)) {
     static_assert(!detail::shards_gradients<X>,
                   "dparallel: optim::optimizer over a ddp_zero1 wrapper would update from this rank's own, "
-                  "unaveraged gradients: use zero_redundancy_optimizer (dparallel/policy/zero_redundancy_optimizer.hpp)");
+                  "unaveraged gradients: use zero_redundancy_optimizer (dparallel/optim/zero_redundancy_optimizer.hpp)");
     auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
     using M = std::remove_cvref_t<decltype(m)>;
     static_assert(check_model<M>());
@@ -224,7 +224,7 @@ class optimizer {
   void step(X& model_or_wrapper, double lr) {
     static_assert(!detail::shards_gradients<X>,
                   "dparallel: optim::optimizer over a ddp_zero1 wrapper would update from this rank's own, "
-                  "unaveraged gradients: use zero_redundancy_optimizer (dparallel/policy/zero_redundancy_optimizer.hpp)");
+                  "unaveraged gradients: use zero_redundancy_optimizer (dparallel/optim/zero_redundancy_optimizer.hpp)");
     auto& m = dparallel::detail::unwrap_model(model_or_wrapper);
     params_.clear();
     grads_.clear();

@@ -27,7 +27,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/checkpoint.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
 #include <dparallel/optim/optimizer.hpp>

@@ -2,7 +2,7 @@
 // ZeRO-1 optimizer state in files that reshard: saved from N ranks, loaded on M ranks, on plain
 // DDP with optim::optimizer, or on one device.
 //
-//   dparallel::zero_redundancy_optimizer opt(w, dparallel::optim::adamw());   // N ranks
+//   dparallel::optim::zero_redundancy_optimizer opt(w, dparallel::optim::adamw());   // N ranks
 //   ... train ...
 //   auto id = dparallel::optim::save_zero_state("opt.safetensors", opt, dparallel::optim::zero_save_mode::sharded);
 //   //   every rank writes its own shard: opt.<set>.rank0-of-N.safetensors, ..., in parallel; then
@@ -42,14 +42,14 @@
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/io/state_dict.hpp>
 #include <dparallel/optim/detail/zero_sets.hpp>
 #include <dparallel/optim/detail/zero_shards.hpp>
 #include <dparallel/optim/optimizer.hpp>
 #include <dparallel/optim/state.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 
 #include <algorithm>
 #include <cstddef>

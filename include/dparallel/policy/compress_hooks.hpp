@@ -58,7 +58,7 @@ struct compress_hook {
     require(b.data.size() == 0 || b.data.device().kind == device_kind::host, [&] {
       return std::string(name) + ": expected the bucket in host memory, found it on " + to_string(b.data.device()) +
              "; these hooks convert on the host: for GPU buckets register dparallel::cuda::" + name +
-             " (<dparallel/backend/cuda/compress_hooks.hpp>)";
+             " (<dparallel/policy/cuda/compress_hooks.hpp>)";
     });
     std::size_t const n = b.data.size();
     if (st.wire.size() <= b.index) st.wire.resize(b.index + 1);

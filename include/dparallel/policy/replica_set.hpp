@@ -10,8 +10,8 @@
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/tensor_view.hpp>
-#include <dparallel/detail/replica_set.hpp>
 #include <dparallel/policy/concepts.hpp>
+#include <dparallel/policy/detail/replica_set.hpp>
 
 DPARALLEL_NAMESPACE_BEGIN
 

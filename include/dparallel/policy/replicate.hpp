@@ -5,8 +5,8 @@
 #include <dparallel/comm/communicator.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/dp_plan.hpp>
-#include <dparallel/detail/replica_set.hpp>
 #include <dparallel/policy/concepts.hpp>
+#include <dparallel/policy/detail/replica_set.hpp>
 
 #include <concepts>
 #include <cstddef>

@@ -7,14 +7,14 @@
 #include <dparallel/optim/sgd.hpp>
 #include <dparallel/optim/state.hpp>
 #include <dparallel/optim/zero_checkpoint.hpp>
-#include <dparallel/policy/zero_redundancy_optimizer.hpp>
+#include <dparallel/optim/zero_redundancy_optimizer.hpp>
 
 int main() {
   compile_fail::scalar_model model;
   dparallel::process_group group;
   using wrapper = dparallel::parallel<compile_fail::scalar_model, dparallel::ddp_zero1>;
   wrapper zero(model, group);
-  dparallel::zero_redundancy_optimizer<dparallel::optim::sgd, wrapper> opt(zero);
+  dparallel::optim::zero_redundancy_optimizer<dparallel::optim::sgd, wrapper> opt(zero);
   dparallel::checkpoint ckpt(zero);
   dparallel::optim::add_to(ckpt, opt, zero);
   return 0;

@@ -1,9 +1,9 @@
 #pragma once
 // The ways to make NCCL process groups: nccl::make_groups (thread ranks of one process, one GPU
 // each) and nccl::init_process_group (one rank per process, from the launcher's environment).
-// Included by <dparallel/comm/nccl.hpp>; the communicator itself is there.
+// Included by <dparallel/comm/nccl.hpp>; the communicator is in comm/nccl/communicator.hpp.
 
-#include <dparallel/comm/nccl.hpp>
+#include <dparallel/comm/nccl/communicator.hpp>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace nccl {

@@ -20,7 +20,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -18,7 +18,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/core/tensor_view.hpp>
 #include <dparallel/io/detail/json.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 
 #include <algorithm>
 #include <cstddef>

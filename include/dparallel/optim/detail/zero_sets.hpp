@@ -21,7 +21,7 @@
 #include <dparallel/core/error.hpp>
 #include <dparallel/io/checkpoint.hpp>
 #include <dparallel/io/detail/atomic_file.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 #include <dparallel/io/safetensors.hpp>
 #include <dparallel/optim/state.hpp>
 

@@ -11,7 +11,7 @@
 #include <dparallel/comm/shm/detail/group.hpp>
 #include <dparallel/comm/shm/detail/segment.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/io/detail/printable.hpp>
+#include <dparallel/core/detail/printable.hpp>
 
 #include <dirent.h>
 #include <unistd.h>

@@ -1,0 +1,3 @@
+#pragma once
+// Points up a layer (to policy/) and closes a cycle with policy/b.hpp.
+#include <dparallel/policy/b.hpp>

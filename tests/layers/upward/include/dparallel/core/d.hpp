@@ -1,0 +1,2 @@
+#pragma once
+// Allowed: a header of the same layer.

@@ -1,0 +1,3 @@
+#pragma once
+// Moved: forwards to its new path.
+#include <dparallel/policy/b.hpp>
