@@ -22,7 +22,8 @@
 // queued_collectives holds what the engines that run a rank's collectives on a communication
 // thread of their own (thread ranks, shared memory) share: the ordered queue and its sequence
 // numbers, the timeout, the count of finished collectives, and the rule at destruction (pending
-// collectives abort the group, none closes the rank).
+// collectives abort the group, none closes the rank). The reasons a failure gives (a mismatch, a
+// timeout, a rank that finished) are worded once in comm_call.hpp, for every engine.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
