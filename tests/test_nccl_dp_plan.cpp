@@ -1,7 +1,7 @@
-// nccl::dp's reduce plan on the host (detail/nccl_dp_plan.hpp): which weights NCCL's
+// nccl::dp's reduce plan on the host (comm/nccl/detail/dp_plan.hpp): which weights NCCL's
 // pre-multiplying sum gets and in which dtype it reduces; the per-dtype buckets the gradients are
 // flattened into, and when a bucket is the gradients' own memory.
-#include <dparallel/detail/nccl_dp_plan.hpp>
+#include <dparallel/comm/nccl/detail/dp_plan.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -5,6 +5,7 @@
 // bitwise the parameters of DDP over N thread ranks; and the faults: a process killed while it
 // holds the segment, a rank that never maps it, a stale segment of the same name, mismatched
 // calls, abort. After every scenario, /dev/shm holds no segment of the scenario's processes.
+#include "engine_contracts.hpp"
 #include "fork_ranks.hpp"
 #include "models.hpp"
 #include "test_zero_common.hpp"
@@ -64,10 +65,7 @@ std::vector<T> numbers(int rank, std::size_t n, std::uint64_t seed) {
 /// `v` cut into tensors of `piece` elements (the last one shorter).
 template <class T>
 std::vector<dpl::tensor_ref> cut_into(std::vector<T>& v, std::size_t piece) {
-  std::vector<dpl::tensor_ref> parts;
-  for (std::size_t at = 0; at < v.size(); at += piece)
-    parts.push_back(dpl::tensor_ref(dpl::view(v)).subview(at, std::min(piece, v.size() - at)));
-  return parts;
+  return test::contracts::cut(v, piece);
 }
 
 /// Every kind of collective through `g`, over `sizes`; the digest of every output buffer.

@@ -117,8 +117,7 @@ inline std::optional<std::string> desync_report(std::vector<std::int64_t> const&
   }
   msg += ". " + describe_ranks(odd) + (odd.size() == 1 ? " differs" : " differ") + " from " +
          (members[major].size() == 1 ? "rank " + std::to_string(members[major][0]) : describe_ranks(members[major])) +
-         ". Every rank must issue the same collectives, with the same element counts, dtypes, roots and reduce "
-         "ops, in the same order";
+         ". " + std::string(same_calls_rule);
   return msg;
 }
 

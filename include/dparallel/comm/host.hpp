@@ -25,14 +25,13 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
-#include <dparallel/comm/detail/call_checks.hpp>
+#include <dparallel/comm/detail/engine_base.hpp>
 #include <dparallel/comm/detail/host_group.hpp>
 #include <dparallel/comm/detail/host_kernels.hpp>
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/dtype.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/core/task_queue.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <atomic>
@@ -43,6 +42,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -51,11 +51,11 @@ namespace host {
 
 /// One thread rank's endpoint of a host process group. Made by make_group / make_communicators;
 /// neither copyable nor movable (its thread refers to it); share it through process_group.
-class communicator {
+class communicator : public dparallel::detail::engine_base<communicator, true> {
  public:
   /// Rank `rank` of `group`; use make_group or make_communicators instead.
   communicator(std::shared_ptr<dparallel::detail::host_group> group, int rank, std::chrono::milliseconds timeout)
-      : group_(std::move(group)), rank_(rank), timeout_ms_(timeout.count()), queue_([this](task& t) { run(t); }) {}
+      : group_(std::move(group)), rank_(rank), queue_(timeout, [this](task& t) { return run(t); }) {}
   communicator(communicator const&) = delete;
   communicator& operator=(communicator const&) = delete;
 
@@ -63,14 +63,8 @@ class communicator {
   /// peers could otherwise wait for this rank until the timeout); with none pending, the rank is
   /// closed, so peers waiting for a later collective of this rank fail at once.
   ~communicator() {
-    auto const [pending, last] = queue_.locked([&] { return std::pair(queue_.pending(), next_seq_ - 1); });
-    if (pending != 0) {
-      group_->abort(rank_, "its communicator was destroyed with " + std::to_string(pending) + " collective" +
-                               (pending == 1 ? "" : "s") + " pending");
-    } else {
-      group_->close(rank_, last);
-    }
-    queue_.stop();
+    queue_.stop([&](std::string const& why) { group_->abort(rank_, why); },
+                [&](std::uint64_t last) { group_->close(rank_, last); });
   }
 
   /// This rank.
@@ -78,111 +72,33 @@ class communicator {
   /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return group_->size(); }
 
-  /// See communicator: in place, summed in rank order.
-  work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0};
-    check_tensor(c, t, "t");
-    check_reducible(c);
-    return issue(c, t, {});
-  }
-
-  /// See process_group::all_reduce_coalesced: in place over the tensors, read as one array (the
-  /// same stripes, sums and bits as all_reduce of that array). `tensors` is read while the
-  /// collective runs: keep it alive and unchanged until the work completes (so for the two below).
-  work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) {
-    auto const c = listed(dparallel::detail::comm_kind::all_reduce, tensors, {}, op);
-    check_reducible(c);
-    return issue(c, {}, {}, tensors);
-  }
-  /// See process_group::reduce_scatter_coalesced: block rank() of every rank's array summed into
-  /// `out`, read from the tensors in place (the sums and bits of reduce_scatter).
-  work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op = reduce_op::sum) {
-    auto const c = listed(dparallel::detail::comm_kind::reduce_scatter, in, out, op);
-    check_reducible(c);
-    return issue(c, out, {}, in);
-  }
-  /// See process_group::all_gather_coalesced: this rank's block of its array copied into every
-  /// other rank's array in place.
-  work all_gather_coalesced(std::span<tensor_ref const> tensors) {
-    return issue(listed(dparallel::detail::comm_kind::all_gather, tensors, {}, reduce_op::sum), {}, {}, tensors);
-  }
-
-  /// See communicator: in place onto `root`, summed in rank order.
-  work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root};
-    check_tensor(c, t, "t");
-    check_reducible(c);
-    check_root(c);
-    return issue(c, t, {});
-  }
-
-  /// See communicator.
-  work broadcast(tensor_ref t, int root) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(),
-                                   reduce_op::sum, root};
-    check_tensor(c, t, "t");
-    check_root(c);
-    return issue(c, t, {});
-  }
-
-  /// out: n elements; in: size()*n elements. out may be in's block rank() (in place) or disjoint from in.
-  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce_scatter, out.dtype(), out.size(), in.size(),
-                                   op, 0};
-    check_tensor(c, out, "out");
-    check_tensor(c, in, "in");
-    check_reducible(c);
-    check_blocks(c, out, in, "out", "in");
-    return issue(c, out, in);
-  }
-
-  /// in: n elements; out: size()*n elements. in may be out's block rank() (in place) or disjoint from out.
-  work all_gather(tensor_ref out, tensor_ref in) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_gather, in.dtype(), in.size(), out.size(),
-                                   reduce_op::sum, 0};
-    check_tensor(c, out, "out");
-    check_tensor(c, in, "in");
-    check_blocks(c, in, out, "in", "out");
-    return issue(c, out, in);
-  }
-
-  /// See communicator.
-  work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
+  // all_reduce, reduce, broadcast, reduce_scatter, all_gather, barrier and the *_coalesced calls
+  // (in place over every rank's buffers, summed in rank order): engine_base.
 
   /// Fails every pending and future collective of every rank with a comm_error naming this rank
   /// and `why`. The first failure of a group wins; later aborts change nothing.
   void abort(std::string why) { group_->abort(rank_, why); }
 
   /// How long a collective waits for its peers before failing with timeout_error.
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
-    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
-  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return queue_.timeout(); }
   /// Applies to the collectives issued after the call.
-  void set_timeout(std::chrono::milliseconds t) {
-    dparallel::detail::require(t.count() > 0, "host::communicator::set_timeout: expected a positive timeout, found " +
-                                                  std::to_string(t.count()) + " ms");
-    timeout_ms_.store(t.count(), std::memory_order_relaxed);
-  }
+  void set_timeout(std::chrono::milliseconds t) { queue_.set_timeout(t, "host::communicator"); }
 
   /// Collectives this rank has finished, successfully or not. Incremented before the work
   /// completes, so after w.wait() it counts w.
-  [[nodiscard]] std::uint64_t completed_ops() const noexcept {
-    return completed_.load(std::memory_order_acquire);
-  }
+  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return queue_.completed_ops(); }
 
   /// Blocks until every collective issued so far has finished (successfully or not). The
   /// collectives the communication thread has not started yet run on the calling thread (in
   /// order, one at a time, as that thread would): a caller that only waits costs no hand-off.
-  void drain() {
-    queue_.help_until_idle([] {});
-  }
+  void drain() { queue_.drain(); }
 
   /// When no collective of this rank is pending, the ones issued from now on do not wake the
   /// communication thread: the next drain() runs them on its caller, release() hands them to the
   /// thread (with some pending, nothing changes: they are the thread's to run). For a caller that
   /// issues a few collectives and then only waits for them (DDP's flush after backward): no
   /// hand-off and no wake-up per step. Their works complete only once one of the two is called.
-  void hold() { (void)queue_.hold_if_idle(); }
+  void hold() { queue_.hold(); }
   /// Ends a hold(): the communication thread runs what was held.
   void release() { queue_.release(); }
 
@@ -198,94 +114,41 @@ class communicator {
   /// Declares that this rank issues no more collectives: peers waiting for a later one fail at
   /// once (timeout_error naming this rank) instead of at the timeout. Later calls throw.
   void close() {
-    std::uint64_t const last = queue_.locked([&] {
-      closed_ = true;
-      return next_seq_ - 1;
-    });
-    group_->close(rank_, last);
+    group_->close(rank_, queue_.last_issued([&] { closed_ = true; }));
   }
 
  private:
+  friend class dparallel::detail::engine_base<communicator, true>;
   using task = dparallel::detail::comm_task;
+  static constexpr std::string_view error_prefix = "dparallel: ";
 
-  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b,
-             std::span<tensor_ref const> list = {}) {
-    dparallel::detail::work_promise p;
-    work w = p.get_work();
-    queue_.push([&] {
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b, std::span<tensor_ref const> list) {
+    return queue_.issue(c, a, b, list, [&](dparallel::detail::comm_call const& call) {
       dparallel::detail::require(!closed_, [&] {
-        return "host::communicator: rank " + std::to_string(rank_) + " called " + dparallel::detail::describe(c) +
+        return "host::communicator: rank " + std::to_string(rank_) + " called " + dparallel::detail::describe(call) +
                " after it was closed (its spawn function returned)";
       });
-      return task{next_seq_++, c, a, b, timeout(), std::move(p), list};
     });
-    return w;
   }
 
-  // Invalid arguments abort the group (its peers would otherwise wait for this rank until the
-  // timeout), then throw invalid_argument on the caller.
-  [[noreturn]] void reject(dparallel::detail::comm_call const& c, std::string const& what) {
-    std::string const msg = std::string(dparallel::detail::kind_name(c.kind)) + " on rank " + std::to_string(rank_) +
-                            ": " + what;
-    group_->abort(rank_, "invalid arguments to " + msg);
-    throw invalid_argument("dparallel: " + msg);
+  [[nodiscard]] static std::string device_problem(tensor_ref t, char const* name) {
+    return host_memory_problem(t, name, "the host communicator moves host memory only");
   }
-
-  dparallel::detail::comm_call listed(dparallel::detail::comm_kind k, std::span<tensor_ref const> tensors,
-                                      tensor_ref out, reduce_op op) {
-    return dparallel::detail::coalesced_call(
-        k, tensors, out, op, size(), [&](auto const& call, tensor_ref t, char const* name) { check_tensor(call, t, name); },
-        [&](auto const& call, std::string const& problem) { reject(call, problem); });
-  }
-
-  void check_tensor(dparallel::detail::comm_call const& c, tensor_ref t, char const* name) {
-    if (t.device().kind != device_kind::host) {
-      reject(c, std::string("expected `") + name + "` in host memory, found a view on " + to_string(t.device()) +
-                    "; the host communicator moves host memory only");
-    }
-    if (auto const problem = dparallel::detail::null_data_problem(t, name); !problem.empty()) reject(c, problem);
-  }
-
-  void check_reducible(dparallel::detail::comm_call const& c) {
-    if (!dparallel::detail::host_reducible(c.type)) {
-      reject(c, "the host communicator reduces F32, F64, F16 and BF16, found " + std::string(name_of(c.type)) +
-                    "; convert the data, or use broadcast / all_gather, which move any dtype");
-    }
-  }
-
-  void check_root(dparallel::detail::comm_call const& c) {
-    if (auto const problem = dparallel::detail::root_problem(c.root, size()); !problem.empty()) reject(c, problem);
-  }
-
-  void check_blocks(dparallel::detail::comm_call const& c, tensor_ref small, tensor_ref big, char const* small_name,
-                    char const* big_name) {
-    auto const problem = dparallel::detail::blocks_problem(small, big, small_name, big_name, size(), rank_);
-    if (!problem.empty()) reject(c, problem);
+  [[nodiscard]] static std::string dtype_problem(dparallel::detail::comm_call const& c, tensor_ref) {
+    if (dparallel::detail::host_reducible(c.type)) return {};
+    return unreducible("host", "F32, F64, F16 and BF16", c.type);
   }
 
   // On the communication thread, for each collective in the order issued.
-  void run(task& t) {
-    std::exception_ptr failure;
-    try {
-      failure = group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout, t.list);
-    } catch (...) {
-      failure = std::current_exception();  // only an allocation failure can get here
-    }
-    // Not pending any more before anyone can see the work complete: a rank that waits for its
-    // last work and then destroys its communicator must not find it still pending.
-    queue_.retire([] {});
-    completed_.fetch_add(1, std::memory_order_release);
-    t.done.complete(std::move(failure));
+  std::exception_ptr run(task& t) {
+    return dparallel::detail::failure_of([&] { return group_->execute(rank_, t.seq, t.call, t.a, t.b, t.timeout, t.list); });
   }
 
   std::shared_ptr<dparallel::detail::host_group> group_;
   int rank_;
-  std::atomic<std::int64_t> timeout_ms_;
-  std::atomic<std::uint64_t> completed_{0};
-  std::uint64_t next_seq_ = 1;  // under the queue's mutex, as closed_
-  bool closed_ = false;
+  bool closed_ = false;       // under the queue's mutex
   std::uint64_t splits_ = 0;  // subgroups made so far (on the thread that issues collectives)
-  dparallel::detail::task_queue<task> queue_;  // last: its thread starts after the other members exist
+  dparallel::detail::queued_collectives queue_;  // last: its thread starts after the other members exist
 };
 
 static_assert(dparallel::communicator<communicator>);

@@ -89,7 +89,7 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
-#include <dparallel/comm/detail/call_checks.hpp>
+#include <dparallel/comm/detail/engine_base.hpp>
 #include <dparallel/comm/mpi/detail/common.hpp>
 #include <dparallel/comm/mpi/detail/engine.hpp>
 #include <dparallel/comm/mpi/detail/shm_switch.hpp>
@@ -106,7 +106,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
@@ -116,7 +118,7 @@ namespace mpi {
 /// One rank's endpoint of an MPI process group (a duplicate of `parent`). Satisfies
 /// dparallel::communicator; share it through process_group (make_group, init_process_group).
 /// Every rank of `parent` must construct it (it is a collective), in the same order.
-class communicator {
+class communicator : public dparallel::detail::engine_base<communicator> {
  public:
   /// Duplicates `parent` (collective over its ranks). `timeout` bounds setup and each collective
   /// (timeout_error when exceeded); `opts`: reduction order, message size and the like (mpi::options).
@@ -160,50 +162,8 @@ class communicator {
   /// The number of ranks in the group.
   [[nodiscard]] int size() const noexcept { return state_->size(); }
 
-  /// Reduces `t` over every rank with `op`, in place; every rank receives the result.
-  work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0};
-    check_tensor(c, t, "t");
-    check_reducible(c, t);
-    return issue(c, t, {});
-  }
-  /// Reduces `t` over every rank with `op` into rank `root`'s `t` (in place there).
-  work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce, t.dtype(), t.size(), t.size(), op, root};
-    check_tensor(c, t, "t");
-    check_reducible(c, t);
-    check_root(c);
-    return issue(c, t, {});
-  }
-  /// Copies rank `root`'s `t` into `t` on every other rank.
-  work broadcast(tensor_ref t, int root) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::broadcast, t.dtype(), t.size(), t.size(),
-                                   reduce_op::sum, root};
-    check_tensor(c, t, "t");
-    check_root(c);
-    return issue(c, t, {});
-  }
-  /// out: n elements; in: size()*n elements. out may be in's block rank() (in place) or disjoint from in.
-  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::reduce_scatter, out.dtype(), out.size(), in.size(),
-                                   op, 0};
-    check_tensor(c, out, "out");
-    check_tensor(c, in, "in");
-    check_reducible(c, out);
-    check_blocks(c, out, in, "out", "in");
-    return issue(c, out, in);
-  }
-  /// in: n elements; out: size()*n elements. in may be out's block rank() (in place) or disjoint from out.
-  work all_gather(tensor_ref out, tensor_ref in) {
-    dparallel::detail::comm_call c{dparallel::detail::comm_kind::all_gather, in.dtype(), in.size(), out.size(),
-                                   reduce_op::sum, 0};
-    check_tensor(c, out, "out");
-    check_tensor(c, in, "in");
-    check_blocks(c, in, out, "in", "out");
-    return issue(c, out, in);
-  }
-  /// Completes once every rank has issued its barrier.
-  work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
+  // all_reduce (in place, every rank receives the result), reduce (into rank `root`'s `t`),
+  // broadcast, reduce_scatter, all_gather and barrier: engine_base.
 
   /// Fails every pending and future collective of every rank with a comm_error naming this rank
   /// and `why` (the peers learn it through the control channel). The first failure wins.
@@ -235,73 +195,53 @@ class communicator {
   process_group subgroup(dparallel::detail::subgroup_plan const& plan);
 
  private:
-  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b) {
+  friend class dparallel::detail::engine_base<communicator>;
+  static constexpr std::string_view error_prefix = "dparallel: mpi::communicator: ";
+
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b, std::span<tensor_ref const>) {
     work w = state_->issue(c, a, b);
     engine_->wake();
     return w;
   }
 
-  [[noreturn]] void reject(dparallel::detail::comm_call const& c, std::string const& what) {
-    std::string const msg = std::string(dparallel::detail::kind_name(c.kind)) + " on rank " + std::to_string(rank()) +
-                            ": " + what;
-    abort("invalid arguments to " + msg);
-    throw invalid_argument("dparallel: mpi::communicator: " + msg);
+  [[nodiscard]] std::string device_problem(tensor_ref t, char const* name) const {
+    if (opts().cuda_aware) return {};
+    return host_memory_problem(t, name, "set mpi::options::cuda_aware if this MPI is CUDA-aware");
   }
 
-  void check_tensor(dparallel::detail::comm_call const& c, tensor_ref t, char const* name) {
-    if (t.device().kind != device_kind::host && !opts().cuda_aware) {
-      reject(c, std::string("expected `") + name + "` in host memory, found a view on " + to_string(t.device()) +
-                    "; set mpi::options::cuda_aware if this MPI is CUDA-aware");
-    }
-    if (auto const problem = dparallel::detail::null_data_problem(t, name); !problem.empty()) reject(c, problem);
-  }
-
-  void check_reducible(dparallel::detail::comm_call const& c, tensor_ref t) {
+  [[nodiscard]] static std::string dtype_problem(dparallel::detail::comm_call const& c, tensor_ref t) {
     bool const floating = dparallel::detail::host_reducible(c.type);
     bool const integer = c.type == dtype::i32 || c.type == dtype::i64 || c.type == dtype::u8;
-    if (!floating && !integer) {
-      reject(c, "the MPI communicator reduces F32, F64, F16, BF16, I32, I64 and U8, found " +
-                    std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype");
-    }
-    if (c.op == reduce_op::avg && !floating) {
-      reject(c, "avg needs a floating-point dtype (F32, F64, F16, BF16), found " + std::string(name_of(c.type)) +
-                    "; use sum");
-    }
-    if (dparallel::detail::is_half(c.type) && t.device().kind != device_kind::host) {
-      reject(c, std::string(name_of(c.type)) + " sums of device memory are not supported through MPI (MPI has no "
-                "16-bit floating-point sum); reduce them in host memory (dparallel then sums in float, in rank "
-                "order) or with NCCL");
-    }
-    if (c.type == dtype::u8 && t.device().kind != device_kind::host) {
-      reject(c, "U8 sums of device memory are not supported through MPI (Open MPI's MPI_SUM saturates U8); use I32");
-    }
-    if (c.op == reduce_op::avg && t.device().kind != device_kind::host) {
-      reject(c, "avg of device memory is not supported through MPI (MPI has no average operation); use sum and "
-                "scale the result");
-    }
+    if (!floating && !integer) return unreducible("MPI", "F32, F64, F16, BF16, I32, I64 and U8", c.type);
+    if (auto problem = avg_problem(c); !problem.empty()) return problem;
+    if (t.device().kind == device_kind::host) return {};
+    if (dparallel::detail::is_half(c.type))
+      return std::string(name_of(c.type)) + " sums of device memory are not supported through MPI (MPI has no "
+             "16-bit floating-point sum); reduce them in host memory (dparallel then sums in float, in rank "
+             "order) or with NCCL";
+    if (c.type == dtype::u8)
+      return "U8 sums of device memory are not supported through MPI (Open MPI's MPI_SUM saturates U8); use I32";
+    if (c.op == reduce_op::avg)
+      return "avg of device memory is not supported through MPI (MPI has no average operation); use sum and "
+             "scale the result";
+    return {};
   }
 
-  void check_root(dparallel::detail::comm_call const& c) {
-    if (auto const problem = dparallel::detail::root_problem(c.root, size()); !problem.empty()) reject(c, problem);
-  }
-
-  void check_blocks(dparallel::detail::comm_call const& c, tensor_ref small, tensor_ref big, char const* small_name,
-                    char const* big_name) {
-    if (big.device() != small.device()) {
-      reject(c, std::string("expected `") + big_name + "` and `" + small_name + "` on the same device, found " +
-                    to_string(big.device()) + " and " + to_string(small.device()));
-    }
-    auto const problem = dparallel::detail::blocks_problem(small, big, small_name, big_name, size(), rank());
-    if (!problem.empty()) reject(c, problem);
-    if (small.size() == 0) return;
-    if (small.device().kind != device_kind::host) {
-      if (c.kind == dparallel::detail::comm_kind::reduce_scatter && !dparallel::detail::disjoint(small, big))
-        reject(c, "an in-place reduce_scatter of device memory is not supported; pass disjoint buffers");
-      if (small.size() > opts().max_message_elements)
-        reject(c, "device buffers of all_gather / reduce_scatter are limited to options::max_message_elements = " +
-                      std::to_string(opts().max_message_elements) + " elements per rank, found " +
-                      std::to_string(small.size()));
-    }
+  // The blocks of reduce_scatter / all_gather: on one device, engine_base's rule, and what device
+  // memory cannot do through MPI.
+  [[nodiscard]] std::string blocks_check(dparallel::detail::comm_call const& c, tensor_ref small, tensor_ref big,
+                                         char const* small_name, char const* big_name) const {
+    if (big.device() != small.device())
+      return std::string("expected `") + big_name + "` and `" + small_name + "` on the same device, found " +
+             to_string(big.device()) + " and " + to_string(small.device());
+    auto problem = engine_base::blocks_check(c, small, big, small_name, big_name);
+    if (!problem.empty() || small.size() == 0 || small.device().kind == device_kind::host) return problem;
+    if (c.kind == dparallel::detail::comm_kind::reduce_scatter && !dparallel::detail::disjoint(small, big))
+      return "an in-place reduce_scatter of device memory is not supported; pass disjoint buffers";
+    if (small.size() > opts().max_message_elements)
+      return "device buffers of all_gather / reduce_scatter are limited to options::max_message_elements = " +
+             std::to_string(opts().max_message_elements) + " elements per rank, found " + std::to_string(small.size());
+    return {};
   }
 
   std::shared_ptr<dparallel::detail::mpi_engine> engine_;

@@ -37,8 +37,8 @@
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
-#include <dparallel/comm/detail/call_checks.hpp>
 #include <dparallel/comm/detail/comm_call.hpp>
+#include <dparallel/comm/detail/engine_base.hpp>
 #include <dparallel/comm/process_group_init.hpp>
 #include <dparallel/comm/rendezvous.hpp>
 #include <dparallel/comm/shm_options.hpp>
@@ -49,7 +49,6 @@
 #include <dparallel/comm/work.hpp>
 #include <dparallel/core/device.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/core/task_queue.hpp>
 #include <dparallel/core/tensor_view.hpp>
 
 #include <atomic>
@@ -59,32 +58,28 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace shm {
 
 /// One rank's endpoint of a shared-memory process group. Made by make_group / init_process_group
 /// (or mpi::make_group on one node); share it through process_group.
-class communicator {
+class communicator : public dparallel::detail::engine_base<communicator, true> {
  public:
   /// Rank `group.rank()` of a joined group; use make_group instead.
   communicator(std::shared_ptr<dparallel::detail::shm_group> group, std::chrono::milliseconds timeout)
-      : group_(std::move(group)), runner_(*group_), timeout_ms_(timeout.count()), queue_([this](task& t) { run(t); }) {}
+      : group_(std::move(group)), runner_(*group_), queue_(timeout, [this](task& t) { return run(t); }) {}
   communicator(communicator const&) = delete;
   communicator& operator=(communicator const&) = delete;
 
   /// Joins the communication thread. Collectives still pending abort the group first; with none
   /// pending the rank is closed, so peers waiting for a later collective fail at once.
   ~communicator() {
-    auto const [pending, last] = queue_.locked([&] { return std::pair(queue_.pending(), next_seq_ - 1); });
-    if (pending != 0) {
-      group_->abort(rank(), "its communicator was destroyed with " + std::to_string(pending) + " collective" +
-                                (pending == 1 ? "" : "s") + " pending");
-    } else {
-      group_->close(last);
-    }
-    queue_.stop();
+    queue_.stop([&](std::string const& why) { group_->abort(rank(), why); },
+                [&](std::uint64_t last) { group_->close(last); });
   }
 
   /// This rank.
@@ -92,71 +87,23 @@ class communicator {
   /// Number of ranks.
   [[nodiscard]] int size() const noexcept { return group_->size(); }
 
-  /// See dparallel::communicator: in place, summed in rank order.
-  work all_reduce(tensor_ref t, reduce_op op = reduce_op::sum) {
-    return issue(checked({kind::all_reduce, t.dtype(), t.size(), t.size(), op, 0}, t, "t"), t, {});
-  }
-  /// See process_group::all_reduce_coalesced: the tensors, read as one array, copied into the
-  /// segment and the sums out of it with no buffer of their own (the same bits as all_reduce of
-  /// that array). `tensors` is read while the collective runs: keep it alive and unchanged (so
-  /// for the two below).
-  work all_reduce_coalesced(std::span<tensor_ref const> tensors, reduce_op op = reduce_op::sum) {
-    return issue(listed(kind::all_reduce, tensors, {}, op), {}, {}, tensors);
-  }
-  /// See process_group::reduce_scatter_coalesced: the array copied into the segment from the
-  /// tensors, this rank's block of the sums into `out` (the bits of reduce_scatter).
-  work reduce_scatter_coalesced(tensor_ref out, std::span<tensor_ref const> in, reduce_op op = reduce_op::sum) {
-    return issue(listed(kind::reduce_scatter, in, out, op), out, {}, in);
-  }
-  /// See process_group::all_gather_coalesced: this rank's block copied into the segment from its
-  /// tensors, the other ranks' blocks out of it into theirs.
-  work all_gather_coalesced(std::span<tensor_ref const> tensors) {
-    return issue(listed(kind::all_gather, tensors, {}, reduce_op::sum), {}, {}, tensors);
-  }
-
-  /// See dparallel::communicator: in place onto `root`, summed in rank order.
-  work reduce(tensor_ref t, int root, reduce_op op = reduce_op::sum) {
-    return issue(checked({kind::reduce, t.dtype(), t.size(), t.size(), op, root}, t, "t"), t, {});
-  }
-  /// See dparallel::communicator.
-  work broadcast(tensor_ref t, int root) {
-    return issue(checked({kind::broadcast, t.dtype(), t.size(), t.size(), reduce_op::sum, root}, t, "t"), t, {});
-  }
-  /// out: n elements; in: size()*n elements. out may be in's block rank() (in place) or disjoint from in.
-  work reduce_scatter(tensor_ref out, tensor_ref in, reduce_op op = reduce_op::sum) {
-    return issue(checked({kind::reduce_scatter, out.dtype(), out.size(), in.size(), op, 0}, out, "out", in, "in"),
-                 out, in);
-  }
-  /// in: n elements; out: size()*n elements. in may be out's block rank() (in place) or disjoint from out.
-  work all_gather(tensor_ref out, tensor_ref in) {
-    return issue(checked({kind::all_gather, in.dtype(), in.size(), out.size(), reduce_op::sum, 0}, out, "out", in, "in"),
-                 out, in);
-  }
-  /// See dparallel::communicator.
-  work barrier() { return issue(dparallel::detail::comm_call{}, {}, {}); }
+  // all_reduce, reduce, broadcast, reduce_scatter, all_gather, barrier and the *_coalesced calls
+  // (copied into the segment and the results out of it, summed in rank order): engine_base.
 
   /// Fails every pending and future collective of every rank with a comm_error naming this rank and `why`.
   void abort(std::string why) { group_->abort(rank(), why); }
 
   /// How long a collective waits for its peers (per meeting) before failing with timeout_error.
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept {
-    return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed));
-  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return queue_.timeout(); }
   /// Applies to the collectives issued after the call.
-  void set_timeout(std::chrono::milliseconds t) {
-    dparallel::detail::require(t.count() > 0, "shm::communicator::set_timeout: expected a positive timeout, found " +
-                                                  std::to_string(t.count()) + " ms");
-    timeout_ms_.store(t.count(), std::memory_order_relaxed);
-  }
+  void set_timeout(std::chrono::milliseconds t) { queue_.set_timeout(t, "shm::communicator"); }
   /// Collectives this rank has finished, successfully or not (counted before the work completes).
-  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return completed_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::uint64_t completed_ops() const noexcept { return queue_.completed_ops(); }
   /// Blocks until every collective issued so far has finished; runs the ones not started yet on the caller.
-  void drain() {
-    queue_.help_until_idle([] {});
-  }
+  void drain() { queue_.drain(); }
   /// As host::communicator::hold: with nothing pending, the collectives issued from now on wait
   /// for the next drain() (which runs them on its caller) or release(), without waking the thread.
-  void hold() { (void)queue_.hold_if_idle(); }
+  void hold() { queue_.hold(); }
   /// Ends a hold(): the communication thread runs what was held.
   void release() { queue_.release(); }
 
@@ -181,88 +128,31 @@ class communicator {
   }
 
  private:
-  using kind = dparallel::detail::comm_kind;
+  friend class dparallel::detail::engine_base<communicator, true>;
   using task = dparallel::detail::comm_task;
+  static constexpr std::string_view error_prefix = "dparallel: shm::communicator: ";
 
-  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b,
-             std::span<tensor_ref const> list = {}) {
-    dparallel::detail::work_promise p;
-    work w = p.get_work();
-    queue_.push([&] { return task{next_seq_++, c, a, b, timeout(), std::move(p), list}; });
-    return w;
+  work issue(dparallel::detail::comm_call const& c, tensor_ref a, tensor_ref b, std::span<tensor_ref const> list) {
+    return queue_.issue(c, a, b, list, [](dparallel::detail::comm_call const&) {});
   }
 
-  // Invalid arguments abort the group (the peers would otherwise wait until the timeout), then
-  // throw invalid_argument on the caller.
-  dparallel::detail::comm_call listed(kind k, std::span<tensor_ref const> tensors, tensor_ref out, reduce_op op) {
-    auto const c = dparallel::detail::coalesced_call(
-        k, tensors, out, op, size(),
-        [&](auto const& call, tensor_ref t, char const* name) {
-          if (auto const problem = tensor_problem(t, name); !problem.empty()) reject(call, problem);
-        },
-        [&](auto const& call, std::string const& problem) { reject(call, problem); });
-    if (auto const problem = call_problem(c); !problem.empty()) reject(c, problem);
-    return c;
+  [[nodiscard]] static std::string device_problem(tensor_ref t, char const* name) {
+    return host_memory_problem(t, name, "the shared-memory communicator moves host memory only");
   }
-
-  dparallel::detail::comm_call checked(dparallel::detail::comm_call const& c, tensor_ref x, char const* xn,
-                                       tensor_ref y = {}, char const* yn = nullptr) {
-    std::string problem = tensor_problem(x, xn);
-    if (problem.empty() && yn != nullptr) problem = tensor_problem(y, yn);
-    if (problem.empty()) problem = call_problem(c);
-    if (problem.empty() && c.kind == kind::reduce_scatter)  // out is the small one
-      problem = dparallel::detail::blocks_problem(x, y, xn, yn, size(), rank());
-    if (problem.empty() && c.kind == kind::all_gather)  // in is the small one
-      problem = dparallel::detail::blocks_problem(y, x, yn, xn, size(), rank());
-    if (problem.empty()) return c;
-    reject(c, problem);
-  }
-
-  // What the engine refuses in a call, whatever its tensors: its dtype, op or root.
-  [[nodiscard]] std::string call_problem(dparallel::detail::comm_call const& c) const {
-    if (c.reduces() && !dparallel::detail::shm_reducible(c.type))
-      return "the shared-memory communicator reduces F32, F64, F16, BF16, I32, I64 and U8, found " +
-             std::string(name_of(c.type)) + "; convert the data, or use broadcast / all_gather, which move any dtype";
-    if (c.reduces() && c.op == reduce_op::avg && !dparallel::detail::host_reducible(c.type))
-      return "avg needs a floating-point dtype (F32, F64, F16, BF16), found " + std::string(name_of(c.type)) + "; use sum";
-    if (c.rooted()) return dparallel::detail::root_problem(c.root, size());
-    return {};
-  }
-
-  // Invalid arguments abort the group, then throw invalid_argument on the caller.
-  [[noreturn]] void reject(dparallel::detail::comm_call const& c, std::string const& problem) {
-    std::string const msg = std::string(dparallel::detail::kind_name(c.kind)) + " on rank " + std::to_string(rank()) +
-                            ": " + problem;
-    group_->abort(rank(), "invalid arguments to " + msg);
-    throw invalid_argument("dparallel: shm::communicator: " + msg);
-  }
-
-  static std::string tensor_problem(tensor_ref t, char const* name) {
-    if (t.device().kind != device_kind::host)
-      return std::string("expected `") + name + "` in host memory, found a view on " + to_string(t.device()) +
-             "; the shared-memory communicator moves host memory only";
-    return dparallel::detail::null_data_problem(t, name);
+  [[nodiscard]] static std::string dtype_problem(dparallel::detail::comm_call const& c, tensor_ref) {
+    if (!dparallel::detail::shm_reducible(c.type))
+      return unreducible("shared-memory", "F32, F64, F16, BF16, I32, I64 and U8", c.type);
+    return avg_problem(c);
   }
 
   // On the communication thread (or a draining caller), one collective at a time, in order.
-  void run(task& t) {
-    std::exception_ptr failure;
-    try {
-      failure = runner_.run(t.seq, t.call, t.a, t.b, t.timeout, t.list);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    queue_.retire([] {});
-    completed_.fetch_add(1, std::memory_order_release);
-    t.done.complete(std::move(failure));
+  std::exception_ptr run(task& t) {
+    return dparallel::detail::failure_of([&] { return runner_.run(t.seq, t.call, t.a, t.b, t.timeout, t.list); });
   }
 
   std::shared_ptr<dparallel::detail::shm_group> group_;
   dparallel::detail::shm_runner runner_;
-  std::atomic<std::int64_t> timeout_ms_;
-  std::atomic<std::uint64_t> completed_{0};
-  std::uint64_t next_seq_ = 1;  // under the queue's mutex
-  dparallel::detail::task_queue<task> queue_;  // last: its thread starts after the other members exist
+  dparallel::detail::queued_collectives queue_;  // last: its thread starts after the other members exist
 };
 
 static_assert(dparallel::communicator<communicator>);

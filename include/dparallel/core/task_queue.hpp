@@ -1,6 +1,7 @@
 #pragma once
 // One thread draining a FIFO queue of tasks in order: the engine behind a host stream (a logical
-// host device) and behind a host communicator's communication thread.
+// host device), behind the communication thread of the thread-rank and shared-memory engines, and
+// behind the serial worker of the communicators that wrap other groups.
 //
 // - push(make) queues make() (called under the queue's mutex, so an owner can check and number
 //   its tasks atomically with queueing them) and wakes the worker;

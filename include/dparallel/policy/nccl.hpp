@@ -11,7 +11,7 @@
 //    weight, inside NCCL's kernel; a replica without a shard contributes zeros) lands
 //    sum_i w_i * g_i in the master's gradients. The clique keeps one operator per device and
 //    dtype while its weight stays. A 16-bit bucket whose weights 16 bits cannot hold (a third)
-//    is reduced in F32 and rounded once at the end (detail/nccl_dp_plan.hpp).
+//    is reduced in F32 and rounded once at the end (comm/nccl/detail/dp_plan.hpp).
 // Both policies share one clique (one communicator per device). A watchdog follows each group:
 // when it fails, or has not completed within options::timeout (a peer GPU hung), every
 // communicator is aborted (ncclCommAbort) and the step fails with an error naming the device(s)
@@ -28,10 +28,11 @@
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/backend.hpp>
 #include <dparallel/comm/nccl.hpp>
+#include <dparallel/comm/nccl/clique.hpp>
+#include <dparallel/comm/nccl/detail/dp_plan.hpp>
+#include <dparallel/comm/nccl/dp_transport.hpp>
 #include <dparallel/core/error.hpp>
-#include <dparallel/detail/nccl_dp_plan.hpp>
 #include <dparallel/parallel.hpp>
-#include <dparallel/policy/nccl_clique.hpp>
 #include <dparallel/policy/reduce.hpp>
 #include <dparallel/policy/replicate.hpp>
 
@@ -71,47 +72,6 @@ struct with_comms {
   }
 };
 
-/// Where a wrapper's flat buckets (detail/nccl_dp_plan.hpp) live, per device and bucket: the
-/// device's tensors themselves when they lie back to back in the bucket's dtype
-/// (bucket_in_place), else memory kept for the bucket between steps (grown when needed).
-struct flat_storage {
-  std::vector<std::vector<tensor_ref>> flat;  ///< [device][bucket]: what NCCL reads and writes
-  std::vector<std::vector<bool>> in_place;    ///< [device][bucket]: flat is the tensors' own memory
-
-  /// Sizes the tables for `devices` devices and `buckets` buckets (the memory is kept).
-  void resize(std::size_t devices, std::size_t buckets) {
-    flat.resize(devices);
-    in_place.resize(devices);
-    memory_.resize(devices);
-    for (std::size_t i = 0; i < devices; ++i) {
-      flat[i].assign(buckets, tensor_ref{});
-      in_place[i].assign(buckets, false);
-      memory_[i].resize(buckets);
-    }
-  }
-  /// Sets flat[i][b] for bucket `bk` over device i's `tensors` (on `dev`), allocating its memory
-  /// when needed, zeroed in the order of `consumer` (nullptr: zeroed and waited for).
-  void place(std::size_t i, std::size_t b, dparallel::detail::flat_bucket const& bk, std::span<tensor_ref const> tensors,
-             device dev, cudaStream_t consumer) {
-    in_place[i][b] = dparallel::detail::bucket_in_place(bk, tensors);
-    if (in_place[i][b]) {
-      flat[i][b] = tensor_ref(tensors[bk.members[0]].data(), bk.elements, bk.grads, dev);
-      return;
-    }
-    std::size_t const bytes = bk.elements * size_of(bk.reduce_in);
-    auto& mem = memory_[i][b];
-    if (mem.bytes < bytes) mem = {cuda::allocate(dev, bytes, consumer), bytes};
-    flat[i][b] = tensor_ref(mem.data.get(), bk.elements, bk.reduce_in, dev);
-  }
-
- private:
-  struct kept {
-    std::shared_ptr<std::byte> data;
-    std::size_t bytes = 0;
-  };
-  std::vector<std::vector<kept>> memory_;
-};
-
 }  // namespace dp_detail
 
 /// Replicate: the master's parameters and buffers flattened into one bucket per dtype, then one
@@ -137,15 +97,7 @@ struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> 
         if (!store_.in_place[0][b]) copy_members(st, 0, b, true);
       std::vector<cudaStream_t> streams;
       for (std::size_t i = 0; i < s.size(); ++i) streams.push_back(s.streams[i]->native());
-      c->run_group("broadcast (replicate)", streams, [] { return 0; }, [&](int) {
-        for (std::size_t i = 0; i < s.size(); ++i)
-          for (std::size_t b = 0; b < buckets_.size(); ++b) {
-            tensor_ref const src = store_.flat[0][b], dst = store_.flat[i][b];
-            check(ncclBroadcast(src.data(), dst.data(), dst.size(), to_nccl(dst.dtype()), 0, (*c)[i],
-                                s.streams[i]->native()),
-                  "ncclBroadcast", static_cast<int>(i));
-          }
-      });
+      dp_detail::broadcast_flat(*c, streams, store_.flat);
     });
     for (std::size_t i = 1; i < s.size(); ++i) {
       s.streams[i]->wait(launched);
@@ -203,7 +155,7 @@ struct broadcast_replicate : dp_detail::with_comms<policy::replicate_each_step> 
 };
 static_assert(replicate_policy<broadcast_replicate>);
 
-/// Reduce: each device's gradients flattened into one bucket per dtype (detail/nccl_dp_plan.hpp),
+/// Reduce: each device's gradients flattened into one bucket per dtype (comm/nccl/detail/dp_plan.hpp),
 /// then one grouped ncclReduce per bucket and device onto the master, the shard weights applied
 /// inside NCCL's sum by one pre-multiplying operator per device and dtype (kept by the clique
 /// while the weight stays); the pairwise copy/kernel path of policy::reduce_to_master when the
@@ -239,23 +191,13 @@ struct weighted_reduce : dp_detail::with_comms<policy::reduce_to_master> {
       std::size_t const nb = buckets_.size();
       std::vector<cudaStream_t> streams;
       for (std::size_t i = 0; i < s.size(); ++i) streams.push_back(s.streams[i]->native());
-      // The operators are found or made inside run_group (never on an aborted communicator); a
-      // failure there, or of any NCCL call, aborts the clique and fails the step.
-      auto const ops = [&] {
-        std::vector<ncclRedOp_t> out;
-        for (std::size_t i = 0; i < s.size(); ++i)
-          for (std::size_t b = 0; b < nb; ++b) out.push_back(c->premul(i, buckets_[b].reduce_in, weights_[b].weights[i]));
-        return out;
-      };
-      c->run_group("reduce", streams, ops, [&](std::vector<ncclRedOp_t> const& op) {
-        for (std::size_t i = 0; i < s.size(); ++i)
-          for (std::size_t b = 0; b < nb; ++b) {
-            tensor_ref const f = store_.flat[i][b];
-            check(ncclReduce(f.data(), f.data(), f.size(), to_nccl(f.dtype()), op[i * nb + b], 0, (*c)[i],
-                             s.streams[i]->native()),
-                  "ncclReduce", static_cast<int>(i));
-          }
-      });
+      std::vector<dtype> types(nb);
+      std::vector<std::vector<double>> weights(s.size(), std::vector<double>(nb));
+      for (std::size_t b = 0; b < nb; ++b) {
+        types[b] = buckets_[b].reduce_in;
+        for (std::size_t i = 0; i < s.size(); ++i) weights[i][b] = weights_[b].weights[i];
+      }
+      dp_detail::reduce_flat(*c, streams, store_.flat, types, weights);
       unpack(s);
       // The watchdog's verdict on this step's groups (the broadcast and this reduce): a hung or
       // failed group was aborted by now and fails the step, naming the device(s) and the cause.

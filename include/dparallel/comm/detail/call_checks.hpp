@@ -1,8 +1,8 @@
 #pragma once
-// The argument checks that the host and MPI communicators' front ends share. Each returns what
+// The argument checks of the engines' checked front (comm/detail/engine_base.hpp). Each returns what
 // is wrong with a collective's arguments, worded for the user, or an empty string when nothing
-// is; the communicator adds its own checks and rejects the call its own way (it aborts the group
-// so the peers fail at once, then throws invalid_argument on the caller).
+// is; engine_base adds the engine's own checks and rejects the call (it aborts the group so the
+// peers fail at once, then throws invalid_argument on the caller).
 
 #include <dparallel/config.hpp>
 #include <dparallel/core/dtype.hpp>

@@ -1,7 +1,8 @@
 #pragma once
 // What a rank asks of a collective, as the host-memory engines (thread ranks, shared memory, MPI)
 // queue, compare across ranks and name in their errors: the kind, dtype, counts, op and root,
-// and for the *_coalesced calls how many tensors the caller's list holds.
+// and for the *_coalesced calls how many tensors the caller's list holds; and the reasons their
+// failures give (a mismatch, a timeout, a rank that finished), worded once.
 
 #include <dparallel/config.hpp>
 #include <dparallel/comm/communicator.hpp>
@@ -155,6 +156,47 @@ inline std::string describe_ranks(std::vector<int> const& ranks) {
     s += std::to_string(ranks[i]);
   }
   return s;
+}
+
+// --- failure naming: the reasons every engine gives, worded once ------------------------------
+
+/// The rule a failure of a collective ends with.
+inline constexpr std::string_view same_order_rule = "Every rank must issue the same collectives in the same order";
+/// The rule a mismatch ends with.
+inline constexpr std::string_view same_calls_rule =
+    "Every rank must issue the same collectives, with the same element counts, dtypes, roots and reduce ops, in the "
+    "same order";
+
+/// "; if rank 2 is only slow, raise the timeout (<remedy>)": what a timeout says last.
+inline std::string slow_rank_advice(std::string const& who, bool one, std::string_view remedy) {
+  return "; if " + who + (one ? " is" : " are") + " only slow, raise the timeout (" + std::string(remedy) + ")";
+}
+
+/// Rank 0 and rank j called collective #seq differently.
+inline std::string mismatch_reason(std::uint64_t seq, comm_call const& first, int j, comm_call const& other) {
+  return "mismatched collectives #" + std::to_string(seq) + ": rank 0 called " + describe(first) + " but rank " +
+         std::to_string(j) + " called " + describe(other) + ". " + std::string(same_calls_rule);
+}
+
+/// `missing` (not empty) did not do `missed` ("did not call collective #3") within `timeout`,
+/// while rank `me` waited for it in `call` and `present` `had` ("had called it").
+inline std::string timeout_reason(std::vector<int> const& missing, std::vector<int> const& present,
+                                  std::string const& missed, std::string_view had, std::chrono::milliseconds timeout,
+                                  int me, comm_call const& call, std::string_view remedy) {
+  std::string const who = describe_ranks(missing);
+  std::string msg = who + " " + missed + " within " + std::to_string(timeout.count()) + " ms: rank " +
+                    std::to_string(me) + " waited for it in " + describe(call);
+  if (!present.empty()) msg += " (" + describe_ranks(present) + " " + std::string(had) + ")";
+  return msg + ". " + std::string(same_order_rule) + slow_rank_advice(who, missing.size() == 1, remedy);
+}
+
+/// Rank j ended (`how`) after issuing `issued` collectives, so it never calls collective #seq,
+/// which rank `me` waited for (`in`: " in <call>", or empty).
+inline std::string finished_reason(int j, std::string_view how, std::uint64_t issued, std::uint64_t seq, int me,
+                                   std::string const& in) {
+  return "rank " + std::to_string(j) + " finished (" + std::string(how) + ") after issuing " + std::to_string(issued) +
+         " collective" + (issued == 1 ? "" : "s") + ", so it will never call collective #" + std::to_string(seq) +
+         ", which rank " + std::to_string(me) + " waited for" + in + ". " + std::string(same_order_rule);
 }
 
 }  // namespace detail

@@ -263,36 +263,25 @@ class host_group {
     std::vector<int> present;
     for (int j = 0; j < n_; ++j) (reached[static_cast<std::size_t>(j)] < seq ? missing : present).push_back(j);
     if (missing.empty()) missing.push_back(r);  // cannot happen; keeps the message well-formed
-    std::string const who = describe_ranks(missing);
-    std::string msg = who + (arriving ? " did not call" : " did not finish") + " collective #" + std::to_string(seq) +
-                      " within " + std::to_string(timeout.count()) + " ms: rank " + std::to_string(r) +
-                      " waited for it in " + describe(call);
-    if (!present.empty()) msg += " (" + describe_ranks(present) + (arriving ? " had called it)" : " had finished it)");
-    msg += ". Every rank must issue the same collectives in the same order; if " + who +
-           (missing.size() == 1 ? " is" : " are") +
-           " only slow, raise the timeout (process_group::set_timeout, spawn_options::timeout)";
-    set_failure(missing[0], true, std::move(msg));
+    std::string const missed = (arriving ? "did not call" : "did not finish") + std::string(" collective #") +
+                               std::to_string(seq);
+    set_failure(missing[0], true,
+                timeout_reason(missing, present, missed, arriving ? "had called it" : "had finished it", timeout, r,
+                               call, "process_group::set_timeout, spawn_options::timeout"));
   }
 
   void fail_closed(int r, std::uint64_t seq, comm_call const& call, int j) {
     auto const issued = closed_[static_cast<std::size_t>(j)];
     // A known cause, found at once: comm_error (timeout_error is for a wait that ran out).
     set_failure(j, false,
-                "rank " + std::to_string(j) + " finished (its spawn function returned or its process_group was "
-                "destroyed) after issuing " + std::to_string(issued) + " collective" + (issued == 1 ? "" : "s") +
-                    ", so it will never call collective #" + std::to_string(seq) + ", which rank " +
-                    std::to_string(r) + " waited for in " + describe(call) +
-                    ". Every rank must issue the same collectives in the same order");
+                finished_reason(j, "its spawn function returned or its process_group was destroyed", issued, seq, r,
+                                " in " + describe(call)));
   }
 
   void check_match(std::uint64_t seq) {
     for (int j = 1; j < n_; ++j) {
       if (!matches(calls_[0], calls_[static_cast<std::size_t>(j)])) {
-        set_failure(j, false,
-                    "mismatched collectives #" + std::to_string(seq) + ": rank 0 called " + describe(calls_[0]) +
-                        " but rank " + std::to_string(j) + " called " + describe(calls_[static_cast<std::size_t>(j)]) +
-                        ". Every rank must issue the same collectives, with the same element counts, dtypes, roots "
-                        "and reduce ops, in the same order");
+        set_failure(j, false, mismatch_reason(seq, calls_[0], j, calls_[static_cast<std::size_t>(j)]));
         return;
       }
     }

@@ -9,28 +9,27 @@
 #include <dparallel/config.hpp>
 #include <dparallel/comm/detail/issue_order.hpp>
 #include <dparallel/comm/work.hpp>
+#include <dparallel/core/task_queue.hpp>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <utility>
 
 DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
-/// A queue of jobs and the one thread that runs them (see the top of this file).
+/// A queue of jobs and the one thread that runs them (see the top of this file): the ordered
+/// worker queue (core/task_queue.hpp) of the host engines' communication threads, whose tasks
+/// are jobs.
 class serial_worker {
  public:
   /// A job; `seq` is its number, 1 for the first submitted. Throws to fail its work.
   using job = std::function<void(std::uint64_t seq)>;
 
-  serial_worker() : thread_([this] { run(); }) {}
+  serial_worker() : queue_([this](task& t) { run(t); }) {}
   serial_worker(serial_worker const&) = delete;
   serial_worker& operator=(serial_worker const&) = delete;
   ~serial_worker() { stop(); }
@@ -40,36 +39,20 @@ class serial_worker {
     work_promise p;
     work w = p.get_work();
     auto order = issue_order::capture();  // on the caller's thread
-    {
-      std::lock_guard lock(m_);
-      queue_.push_back(task{next_seq_++, std::move(j), std::move(p), std::move(order)});
-      ++pending_;
-    }
-    cv_.notify_all();
+    queue_.push([&] { return task{next_seq_++, std::move(j), std::move(p), std::move(order)}; });
     return w;
   }
 
   /// Jobs submitted and not yet finished.
-  [[nodiscard]] std::size_t pending() const {
-    std::lock_guard lock(m_);
-    return pending_;
-  }
+  [[nodiscard]] std::size_t pending() const { return queue_.pending(); }
   /// Jobs finished, successfully or not.
   [[nodiscard]] std::uint64_t completed() const noexcept { return completed_.load(std::memory_order_acquire); }
   /// Blocks until every job submitted so far has finished.
   void drain() {
-    std::unique_lock lock(m_);
-    idle_.wait(lock, [&] { return pending_ == 0; });
+    queue_.wait_idle([] {});
   }
   /// Runs the queued jobs to the end, then joins the thread. Idempotent.
-  void stop() {
-    {
-      std::lock_guard lock(m_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
+  void stop() { queue_.stop(); }
 
  private:
   struct task {
@@ -79,41 +62,23 @@ class serial_worker {
     issue_order::token order;
   };
 
-  void run() {
-    for (;;) {
-      task t;
-      {
-        std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        t = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      std::exception_ptr failure;
-      try {
-        issue_order::scope const issued_by_caller(std::move(t.order));
-        t.run(t.seq);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      {  // not pending before the work completes (an owner's destructor checks pending())
-        std::lock_guard lock(m_);
-        if (--pending_ == 0) idle_.notify_all();
-      }
-      completed_.fetch_add(1, std::memory_order_release);
-      t.done.complete(std::move(failure));
+  // On the worker, for each job in the order submitted.
+  void run(task& t) {
+    std::exception_ptr failure;
+    try {
+      issue_order::scope const issued_by_caller(std::move(t.order));
+      t.run(t.seq);
+    } catch (...) {
+      failure = std::current_exception();
     }
+    queue_.retire([] {});  // not pending before the work completes (an owner's destructor checks pending())
+    completed_.fetch_add(1, std::memory_order_release);
+    t.done.complete(std::move(failure));
   }
 
-  mutable std::mutex m_;
-  std::condition_variable cv_;
-  std::condition_variable idle_;
-  std::deque<task> queue_;
-  std::size_t pending_ = 0;
-  std::uint64_t next_seq_ = 1;
-  bool stopping_ = false;
   std::atomic<std::uint64_t> completed_{0};
-  std::thread thread_;  // last: starts after every other member is constructed
+  std::uint64_t next_seq_ = 1;  // under the queue's mutex
+  task_queue<task> queue_;      // last: its thread starts after the other members exist
 };
 
 }  // namespace detail

@@ -37,6 +37,7 @@
 #include <dparallel/backend/cuda/error.hpp>
 #include <dparallel/backend/cuda/memory.hpp>
 #include <dparallel/comm/communicator.hpp>
+#include <dparallel/comm/detail/call_checks.hpp>
 #include <dparallel/comm/detail/issue_order.hpp>
 #include <dparallel/comm/detail/launch_gpu.hpp>
 #include <dparallel/comm/detail/progress.hpp>
@@ -296,8 +297,8 @@ class communicator {
   static ncclRedOp_t nccl_op(reduce_op op) { return op == reduce_op::avg ? ncclAvg : ncclSum; }
 
   void check_root(int root, char const* what) const {
-    dparallel::detail::require(root >= 0 && root < size_, std::string("NCCL ") + what + ": expected a root in [0, " +
-                                                               std::to_string(size_) + "), found " + std::to_string(root));
+    auto const problem = dparallel::detail::root_problem(root, size_);  // the words of every engine
+    dparallel::detail::require(problem.empty(), [&] { return std::string("NCCL ") + what + ": " + problem; });
   }
   void check_sizes(tensor_ref small, tensor_ref big, char const* what) const {
     dparallel::detail::require(small.dtype() == big.dtype() && big.size() == small.size() * static_cast<std::size_t>(size_),

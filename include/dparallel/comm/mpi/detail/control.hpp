@@ -6,6 +6,7 @@
 // uses for them; the state (mpi_comm_state) derives from it and supplies the two hooks.
 
 #include <dparallel/config.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/mpi/detail/common.hpp>
 
 #include <algorithm>
@@ -258,8 +259,8 @@ class mpi_control_channel {
                       std::to_string(probe_.waited.count()) + " ms on rank " + std::to_string(rank_);
     for (std::size_t k = 0; k < notes.size(); ++k) msg += (k == 0 ? ": " : "; ") + notes[k];
     if (notes.empty()) msg += " (no other rank)";
-    msg += ". Every rank must issue the same collectives in the same order; if rank " + std::to_string(culprit) +
-           " is only slow, raise the timeout (init_options::timeout, process_group::set_timeout)";
+    msg += ". " + std::string(same_order_rule) +
+           slow_rank_advice("rank " + std::to_string(culprit), true, "init_options::timeout, process_group::set_timeout");
     probe_.active = false;
     fail({culprit, true, std::move(msg)}, true);
   }

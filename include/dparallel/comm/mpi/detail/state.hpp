@@ -8,6 +8,7 @@
 #include <dparallel/comm/mpi/detail/algorithms.hpp>
 #include <dparallel/comm/mpi/detail/common.hpp>
 #include <dparallel/comm/mpi/detail/control.hpp>
+#include <dparallel/comm/detail/comm_call.hpp>
 #include <dparallel/comm/detail/subgroup_plan.hpp>
 
 #include <atomic>
@@ -283,12 +284,7 @@ class mpi_comm_state final : public mpi_control_channel {
       std::uint64_t const c = closed_from_[static_cast<std::size_t>(j)];
       if (c == 0 || c - 1 >= seq) continue;
       std::uint64_t const issued = c - 1;
-      fail({j, false,
-            "rank " + std::to_string(j) + " finished (its process_group was destroyed or closed) after issuing " +
-                std::to_string(issued) + " collective" + (issued == 1 ? "" : "s") + ", so it will never call collective #" +
-                std::to_string(seq) + ", which rank " + std::to_string(rank_) +
-                " waited for. Every rank must issue the same collectives in the same order"},
-           true);
+      fail({j, false, finished_reason(j, "its process_group was destroyed or closed", issued, seq, rank_, "")}, true);
       return true;
     }
     return false;

@@ -170,11 +170,7 @@ class shm_group {
     for (int j = 1; j < n_; ++j) {
       comm_call const other = call_of(j, seq);
       if (!matches(first, other)) {
-        set_failure(j, shm_fail_cause::reported,
-                    "mismatched collectives #" + std::to_string(seq) + ": rank 0 called " + describe(first) +
-                        " but rank " + std::to_string(j) + " called " + describe(other) +
-                        ". Every rank must issue the same collectives, with the same element counts, dtypes, roots "
-                        "and reduce ops, in the same order");
+        set_failure(j, shm_fail_cause::reported, mismatch_reason(seq, first, j, other));
         return false;
       }
     }
@@ -294,11 +290,7 @@ class shm_group {
         auto const closed = shm_word(s.closed).load(std::memory_order_acquire);
         if (closed < seq) {
           set_failure(j, shm_fail_cause::reported,
-                      "rank " + std::to_string(j) + " finished (its process_group was destroyed or closed) after "
-                      "issuing " + std::to_string(closed) + " collective" + (closed == 1 ? "" : "s") +
-                          ", so it will never call collective #" + std::to_string(seq) + ", which rank " +
-                          std::to_string(rank_) + " waited for. Every rank must issue the same collectives in the "
-                          "same order");
+                      finished_reason(j, "its process_group was destroyed or closed", closed, seq, rank_, ""));
           return true;
         }
       }
@@ -322,14 +314,9 @@ class shm_group {
     for (int j = 0; j < n_; ++j)
       (shm_word(seg_->slot(j).step).load(std::memory_order_acquire) < k ? missing : present).push_back(j);
     if (missing.empty()) missing.push_back(rank_);
-    std::string const who = describe_ranks(missing);
-    std::string msg = who + " did not reach collective #" + std::to_string(seq) + " (or its next step) within " +
-                      std::to_string(timeout.count()) + " ms: rank " + std::to_string(rank_) + " waited for it in " +
-                      describe(call);
-    if (!present.empty()) msg += " (" + describe_ranks(present) + " had reached it)";
-    msg += ". Every rank must issue the same collectives in the same order; if " + who +
-           (missing.size() == 1 ? " is" : " are") + " only slow, raise the timeout (process_group::set_timeout)";
-    set_failure(missing[0], shm_fail_cause::timeout, msg);
+    set_failure(missing[0], shm_fail_cause::timeout,
+                timeout_reason(missing, present, "did not reach collective #" + std::to_string(seq) + " (or its next step)",
+                               "had reached it", timeout, rank_, call, "process_group::set_timeout"));
   }
 
   std::unique_ptr<shm_segment> seg_;

@@ -1,6 +1,6 @@
 #pragma once
-// nccl::dp's plan (policy/nccl.hpp), the part separable from NCCL and tested on the host
-// (tests/test_nccl_dp_plan.cpp): the per-dtype buckets a device's tensors are flattened into
+// nccl::dp's plan (policy/nccl.hpp, comm/nccl/dp_transport.hpp), the part separable from NCCL
+// and tested on the host (tests/test_nccl_dp_plan.cpp): the per-dtype buckets a device's tensors are flattened into
 // (one ncclReduce or ncclBroadcast per bucket, not one per tensor), and the weights its
 // pre-multiplying sum (ncclRedOpCreatePreMulSum) is given. NCCL multiplies in the reduction's dtype, so a 16-bit
 // reduction would round a shard's weight to 16 bits (a batch of 3 over three shards: bf16(1/3)

@@ -1,7 +1,7 @@
 #pragma once
-// The NCCL clique of a nccl::dp wrapper (policy/nccl.hpp): one communicator per device, the
-// watchdog that aborts it, and the pre-multiplying sum operators it keeps. Part of the NCCL
-// add-on (dparallel::nccl).
+// The NCCL clique of a nccl::dp wrapper (policy/nccl.hpp; its grouped calls are in
+// comm/nccl/dp_transport.hpp): one communicator per device, the watchdog that aborts it, and the
+// pre-multiplying sum operators it keeps. Part of the NCCL add-on (dparallel::nccl).
 
 #include <dparallel/config.hpp>
 #include <dparallel/backend/cuda/device.hpp>
