@@ -16,6 +16,7 @@
 #include <dparallel/detail/rank_checks.hpp>
 #include <dparallel/core/step_checks.hpp>
 #include <dparallel/core/step_context.hpp>
+#include <dparallel/core/trace.hpp>
 #include <dparallel/policy/detail/replica_set.hpp>
 #include <dparallel/detail/step_plan.hpp>
 #include <dparallel/detail/typed_scratch.hpp>
@@ -94,6 +95,7 @@ class parallel {
     replicate_.on_construct(rs_);
     reduce_.on_construct(rs_);
     detail::warn_if_devices_differ<Backend>(rs_.devices, rs_.opts);
+    trace_.open(trace_directory(rs_.opts.trace), 0, 1);
   }
 
   /// DDP: wraps this rank's `model` (by reference) in the process group `group`. Verifies that
@@ -122,6 +124,7 @@ class parallel {
       if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
       reduce_.on_construct(rs_);
     });
+    trace_.open(trace_directory(rs_.opts.trace), rs_.rank(), rs_.world_size());  // after the collectives: aligned
   }
 
   /// DDP: the same from anything that holds a process group as `group()`, e.g. the rank_context
@@ -176,6 +179,9 @@ class parallel {
   [[nodiscard]] profile_summary const& profile() const noexcept { return profile_; }
   /// Forgets the recorded steps; profile() starts again.
   void reset_profile() noexcept { profile_.reset(); }
+  /// With options::trace or DPARALLEL_TRACE: writes the timeline so far (core/trace.hpp); the
+  /// wrapper writes it again when destroyed. Returns the file's path (empty when not tracing).
+  std::string flush_trace() { return trace_.flush(), trace_.path(); }
   /// Tells the wrapper how long the training loop waited for the next batch (e.g. a prefetching
   /// loader's last wait). The time noted since the previous step is reported as data_wait of the
   /// next step() (the step that consumes that batch); several calls add up.
@@ -289,22 +295,12 @@ class parallel {
     }
   }
 
-  // One step. In the steady state (after the first step; DDP: after its one bucket rebuild) it
-  // allocates nothing through Backend::allocate, and its own lists (views, output slots, step
-  // contexts, the policies' tensor lists) are members refilled in place. What still allocates
-  // on the calling thread, per step, and why it is left:
-  // - each piece of work enqueued on a host::stream: the event's shared state (waiters may hold
-  //   it past the work), the std::function when the work's captures exceed its small buffer
-  //   (the device work here captures one pointer and an index, which fit; the coalesced copy
-  //   and weighted-sum work and stream::wait's captured event do not), and a node of the
-  //   stream's deque every few tasks. That is a few small allocations per device per step,
-  //   independent of the model's size (the per-parameter work is one task per device);
-  //   pooling them would mean reworking host::stream's task and event types;
-  // - the scatter policy's shard sizes (scatter_policy returns a std::vector, a public
-  //   contract), and the gathered result, which is returned to the caller;
-  // - error-message strings that core helpers (batch_size, partition, tensor_view) build
-  //   before checking; whatever the model's parameters()/gradients()/buffers() allocate to
-  //   return their ranges; and the step function itself.
+  // One step. In the steady state it allocates nothing through Backend::allocate, and its own
+  // lists are members refilled in place (Note [Steady-state allocations], policy/concepts.hpp).
+  // Still allocating, per step: each piece of work enqueued on a host::stream (its event's shared
+  // state, a std::function whose captures exceed its small buffer, a deque node now and then), the
+  // scatter policy's shard sizes and the gathered result (public contracts), messages core helpers
+  // build before checking, the model's own parameters()/gradients()/buffers(), and the step function.
   template <class out_type, class shard_type, class B, class F>
   auto run_step(B const& batch, F& step_fn) {
     constexpr bool returns_value = !std::is_void_v<out_type>;
@@ -445,6 +441,8 @@ class parallel {
     p.devices = rs_.devices;
     p.shard_sizes = rs_.shard_sizes;
     profile_.add(p);
+    trace_.record(entered, planned, first, last, drained, returned, waited, rs_.batch, started_, ended_,
+                  [this](std::size_t i) { return rs_.active(i); });
     if constexpr (observing_scatter_policy<scatter_type>) scatter_.observe(p);
   }
 
@@ -483,6 +481,7 @@ class parallel {
   std::vector<profile_clock::time_point> started_, ended_;
   step_profile last_profile_;
   profile_summary profile_;
+  step_trace trace_;
   profile_duration data_wait_{};
 };
 

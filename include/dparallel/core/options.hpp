@@ -10,6 +10,7 @@
 #include <functional>
 #include <iostream>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -99,6 +100,10 @@ struct options {
   /// writes no gradient on purpose (a forward pass only) fails with it on: give such a wrapper
   /// check_contracts = false.
   std::optional<bool> check_contracts{};
+  /// A directory to write this wrapper's timeline of steps to, as a Chrome trace event file
+  /// (core/trace.hpp; Perfetto and chrome://tracing load it, scripts/merge-traces joins the
+  /// ranks'). Left empty, the environment variable DPARALLEL_TRACE decides; neither: no trace.
+  std::string trace{};
 };
 
 DPARALLEL_NAMESPACE_END
