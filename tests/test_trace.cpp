@@ -1,6 +1,7 @@
 // Step traces (core/trace.hpp): DP over 2 devices and DDP over 2 thread ranks write one Chrome
 // trace event file per wrapper and rank, valid JSON, with one "step" event per step (its number
-// in args), the phases inside the step and one step-function event per device inside it; the
+// in args), the phases inside the step and one step-function event per device inside it; DDP's
+// gradients marked ready (instants) and its buckets' collectives (spans) on every step; the
 // ranks' files are aligned at the DDP constructor. scripts/merge-traces joins them (a CTest of
 // its own, trace:merge, runs it on the files this test leaves in DPARALLEL_TEST_TRACE_DIR).
 #include "models.hpp"
@@ -114,13 +115,20 @@ TEST_CASE("trace: DP and DDP write a timeline of their steps per rank", "[trace]
   for (auto const& e : dp_events) waited |= e.name == "data wait" && e.cat == "data" && e.dur >= 249;
   CHECK(waited);
 
+  // DDP with small buckets, the step function marking each gradient ready as backward makes it.
+  std::size_t buckets = 0;
   dpl::spawn(2, [&](dpl::rank_context& rank) {
     model m;
-    dpl::distributed_data_parallel<model> ddp(m, rank.group(), {.trace = dir.string()});
+    dpl::distributed_data_parallel<model> ddp(
+        m, rank.group(),
+        {.bucket_cap_mb = 8.0 / (1024 * 1024), .first_bucket_cap_mb = 4.0 / (1024 * 1024), .trace = dir.string()});
     auto const lo = static_cast<std::size_t>(rank.rank()) * 4;
     for (int k = 0; k < 4; ++k)
-      ddp.step(dpl::slice_batch(data.all(), lo, lo + 4), [](model& r, test::samples<float> s) { r.forward_backward(s); });
+      ddp.step(dpl::slice_batch(data.all(), lo, lo + 4),
+               [](model& r, test::samples<float> s, dpl::step_context& ctx) { r.forward_backward(s, &ctx); });
+    if (rank.rank() == 0) buckets = ddp.reducer().buckets().size();
   });
+  REQUIRE(buckets > 1);
   auto const files = traces_in(dir);
   REQUIRE(files.size() == 2);
   std::set<int> ranks;
@@ -130,6 +138,19 @@ TEST_CASE("trace: DP and DDP write a timeline of their steps per rank", "[trace]
     int const rank = ev[0].pid;
     ranks.insert(rank);
     check_trace(ev, rank, 4, 1);
+    std::size_t ready = 0, bucket_spans = 0;
+    for (auto const& e : ev) {
+      if (e.name == "bucket") {
+        ++bucket_spans;
+        CHECK(e.cat == "comm");
+        CHECK(e.tid == 1000);
+      }
+    }
+    std::ifstream in(f);
+    for (std::string line; std::getline(in, line);)
+      if (line.find("\"name\":\"grad ready\"") != std::string::npos && line.find("\"ph\":\"i\"") != std::string::npos) ++ready;
+    CHECK(ready == 4 * model().w.size());  // every parameter, every step
+    CHECK(bucket_spans == 4 * buckets);     // every bucket, every step
   }
   CHECK(ranks == std::set<int>{0, 1});
   if (keep == nullptr) fs::remove_all(dir);

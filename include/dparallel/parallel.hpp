@@ -96,6 +96,7 @@ class parallel {
     reduce_.on_construct(rs_);
     detail::warn_if_devices_differ<Backend>(rs_.devices, rs_.opts);
     trace_.open(trace_directory(rs_.opts.trace), 0, 1);
+    rs_.trace = trace_.log();
   }
 
   /// DDP: wraps this rank's `model` (by reference) in the process group `group`. Verifies that
@@ -125,6 +126,7 @@ class parallel {
       reduce_.on_construct(rs_);
     });
     trace_.open(trace_directory(rs_.opts.trace), rs_.rank(), rs_.world_size());  // after the collectives: aligned
+    rs_.trace = trace_.log();
   }
 
   /// DDP: the same from anything that holds a process group as `group()`, e.g. the rank_context

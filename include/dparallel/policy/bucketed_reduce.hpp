@@ -11,6 +11,7 @@
 #include <dparallel/core/bucket_views.hpp>
 #include <dparallel/core/buckets.hpp>
 #include <dparallel/core/error.hpp>
+#include <dparallel/core/profile.hpp>
 #include <dparallel/core/gradient_memory.hpp>
 #include <dparallel/core/model.hpp>
 #include <dparallel/core/options.hpp>
@@ -155,6 +156,8 @@ class bucketed_reduce {
       throw invalid_argument("dparallel: grad_ready: parameter " + detail::parameter_label(*s.models[0], i) +
                              " was marked ready twice in one step (rank " + std::to_string(s.group.rank()) + ")");
     grad_ready_called_ = true;
+    if constexpr (requires { s.trace; })
+      if (s.trace != nullptr) s.trace->instant("grad ready", "compute", 1, "\"param\":" + std::to_string(i));
     stage(s, i, false);
   }
 
@@ -213,6 +216,11 @@ class bucketed_reduce {
   void launch_ready(Set& s) {
     auto& buckets = layout_.buckets;
     while (next_bucket_ < buckets.size() && buckets[next_bucket_].pending == 0) {
+      if constexpr (requires { s.trace; })
+        if (s.trace != nullptr) {
+          launched_at_.resize(buckets.size());
+          launched_at_[next_bucket_] = profile_clock::now();
+        }
       buckets[next_bucket_].launched = launch(s, next_bucket_);
       ++next_bucket_;
     }
@@ -282,6 +290,16 @@ class bucketed_reduce {
     if (!s.sync) accumulated_ += s.batch;
   }
 
+  // The step's buckets on the timeline, from launch until the step saw them complete (now).
+  template <class Set>
+  void trace_buckets(Set& s) {
+    auto const now = profile_clock::now();
+    for (std::size_t b = 0; b < layout_.buckets.size() && b < launched_at_.size(); ++b)
+      s.trace->span("bucket", "comm", 1000, launched_at_[b], now,
+                    "\"bucket\":" + std::to_string(b) + ",\"bytes\":" + std::to_string(bucket_ref(s, b).size_bytes()) +
+                        ",\"op\":\"" + (sharded ? "reduce_scatter" : ToRoot ? "reduce" : "all_reduce") + "\"");
+  }
+
   // After a synchronised step's staging: wait for every bucket, write the results back, rebuild
   // the plan once in the order the gradients became ready.
   template <class Set>
@@ -294,6 +312,8 @@ class bucketed_reduce {
     // per bucket.
     s.group.drain();
     for (auto const& b : layout_.buckets) b.launched.wait();
+    if constexpr (requires { s.trace; })
+      if (s.trace != nullptr) trace_buckets(s);
     if (comm_hook_.active()) {  // the hooks' continuations, in launch order on every rank
       for (std::size_t b = 0; b < layout_.buckets.size(); ++b) {
         tensor_ref const whole = bucket_ref(s, b);
@@ -419,6 +439,7 @@ class bucketed_reduce {
   std::vector<std::size_t> ready_order_;     // the parameters in the order they were staged
   std::vector<std::size_t> unused_;          // stage_the_rest: the parameters grad_ready never named
   std::size_t next_bucket_ = 0;              // the first bucket not launched
+  std::vector<profile_clock::time_point> launched_at_;  // per bucket, when tracing (core/trace.hpp)
   bool grad_ready_called_ = false;           // the step function called grad_ready (else all are staged after it)
   bool step_function_returned_ = false;      // inside stage_the_rest
 };

@@ -9,6 +9,7 @@
 #include <dparallel/core/options.hpp>
 #include <dparallel/core/profile.hpp>
 #include <dparallel/core/tensor_view.hpp>
+#include <dparallel/core/trace.hpp>
 
 #include <cstddef>
 #include <memory>
@@ -45,6 +46,7 @@ struct replica_set {
   process_group group;                 ///< DDP: this rank's group; empty for DataParallel
   bool sync = true;                    ///< false inside no_sync(): reduce nothing, accumulate
   join_step join;                      ///< DDP: this step's contribution (uneven inputs, sample weighting)
+  trace_log* trace = nullptr;          ///< the wrapper's timeline when it traces (core/trace.hpp)
 
   // Refreshed at the start of every step (models may reallocate their storage between steps).
   std::vector<std::vector<tensor_ref>> params, grads, bufs;
