@@ -110,9 +110,9 @@ struct batch_options {
   std::uint64_t seed = 0;
   /// Drop the tail instead of padding (distributed_sampler's drop_last).
   bool drop_last = false;
-  /// Sampler replicas the data is read as; 0 = the session's replicas(). DataParallel (and a
+  /// Sampler replicas the data is read as; 0 = `replicas()` of the training function's `session` object. DataParallel (and a
   /// one-device reference) may read the data as any number of replicas, e.g. as a DDP run of that
-  /// many ranks would, so that both visit the same batches; a DDP session needs its world size.
+  /// many ranks would, so that both visit the same batches; under DDP it must be the world size.
   int replicas = 0;
   /// The permutation a shuffled epoch follows (distributed_sampler's; default PyTorch's).
   shuffle_order order = shuffle_order::torch;
@@ -197,11 +197,11 @@ class batch_plan {
 template <class Semantics, class Backend = host::backend>
 class session {
  public:
-  /// The bundle this session was launched with (dp, ddp, ...).
+  /// The bundle launch<> was given (dp, ddp, ...).
   using semantics_type = Semantics;
   /// The backend its devices belong to.
   using backend_type = Backend;
-  /// Whether this session is one rank of a process group (DDP bundles).
+  /// Whether this participant is one rank of a process group (DDP bundles).
   static constexpr bool distributed = is_distributed_v<Semantics>;
 
   /// DataParallel over `devices`.
@@ -225,7 +225,7 @@ class session {
   [[nodiscard]] process_group const& group() const noexcept { return group_; }
 
   /// Wraps `model` (by reference: it must outlive the wrapper) as parallel<Model, Semantics,
-  /// Backend>: over the session's devices (DataParallel) or in its process group (DDP; a
+  /// Backend>: over this participant's devices (DataParallel) or in its process group (DDP; a
   /// collective: every rank must wrap its model).
   template <class Model>
   [[nodiscard]] parallel<Model, Semantics, Backend> wrap(Model& model, options opts = {}) const {
