@@ -110,9 +110,10 @@ struct batch_options {
   std::uint64_t seed = 0;
   /// Drop the tail instead of padding (distributed_sampler's drop_last).
   bool drop_last = false;
-  /// Sampler replicas the data is read as; 0 = `replicas()` of the training function's `session` object. DataParallel (and a
-  /// one-device reference) may read the data as any number of replicas, e.g. as a DDP run of that
-  /// many ranks would, so that both visit the same batches; under DDP it must be the world size.
+  /// Sampler replicas the data is read as; 0 = `replicas()` of the training function's `session`
+  /// object. DataParallel (and a one-device reference) may read the data as any number of
+  /// replicas, e.g. as a DDP run of that many ranks would, so that both visit the same batches;
+  /// under DDP it must be the world size.
   int replicas = 0;
   /// The permutation a shuffled epoch follows (distributed_sampler's; default PyTorch's).
   shuffle_order order = shuffle_order::torch;
