@@ -14,6 +14,8 @@
 #include <dparallel/io/checkpoint.hpp>
 #include <dparallel/optim/adam.hpp>
 #include <dparallel/optim/zero_checkpoint.hpp>
+#include <dparallel/io/detail/atomic_file.hpp>
+#include <dparallel/optim/detail/zero_sets.hpp>
 #include <dparallel/optim/zero_redundancy_optimizer.hpp>
 #include <dparallel/spawn.hpp>
 
@@ -27,6 +29,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <set>
@@ -257,4 +260,57 @@ TEST_CASE("A ZeRO-1 shard of another save, the checkpoint's save gone, or anothe
   model m(test::zero_sizes(), 7);
   optim::optimizer opt(m, optim::adamw());
   CHECK_THROWS_WITH(optim::load_state(path, opt, m), Catch::Contains("is the manifest of a sharded ZeRO-1 save"));
+}
+
+TEST_CASE("A ZeRO-1 save removes what killed saves of any world size left, and keeps a live writer's temporary",
+          "[host][zero][checkpoint][fault]") {
+  auto const dir = test::scratch_dir("test_zero_crash", "stale");
+  pid_t const dead = ::fork();  // a process that has ended: the writer killed during a save
+  REQUIRE(dead >= 0);
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  auto const temporary = [&](std::string const& target, long long pid) {
+    return dir / (dpl::detail::temporary_prefix(dir / target) + std::to_string(pid) + "-1");
+  };
+  auto const plant = [](fs::path const& p) {
+    std::ofstream(p) << "partial";
+    return p;
+  };
+  std::string const other = optim::detail::set_name(0x5eed);  // a save of 4 ranks that never committed
+  std::vector<fs::path> const stale{
+      plant(temporary("opt." + other + ".rank3-of-4.safetensors", dead)),
+      plant(temporary("opt." + other + ".opt.safetensors", dead)),
+      plant(temporary("opt.rank3-of-4.safetensors", dead)),  // of a save without sets
+      plant(dir / ("opt." + other + ".rank1-of-4.safetensors")),
+      plant(dir / "opt.rank2-of-4.safetensors"),
+  };
+  auto const live = plant(temporary("opt." + other + ".rank2-of-4.safetensors", ::getpid()));
+  job(dir, 2, optim::zero_save_mode::sharded, true);  // a fresh job's first save, on 2 ranks
+  for (auto const& p : stale) {
+    INFO(p.filename().string());
+    CHECK_FALSE(fs::exists(p));
+  }
+  CHECK(fs::exists(live));  // its writer (this process) may still rename it
+  CHECK(resume(dir).step == 2);
+}
+
+TEST_CASE("Loading a ZeRO-1 save that does not exist says so and names the save's path",
+          "[host][zero][checkpoint][errors]") {
+  auto const dir = test::scratch_dir("test_zero_crash", "absent");
+  std::string what;
+  std::mutex mu;
+  dpl::spawn(world, [&](dpl::rank_context& ctx) {
+    model m(test::zero_sizes(), 7);
+    dpl::parallel<model, dpl::ddp_zero1> w(m, ctx.group(), test::zero_tiny_buckets());
+    dpl::optim::zero_redundancy_optimizer opt(w, optim::adamw());
+    try {
+      optim::load_zero_state(dir / "absent.safetensors", opt);
+    } catch (dpl::error const& e) {
+      std::lock_guard lock(mu);
+      what = e.what();
+    }
+  });
+  CHECK_THAT(what, Catch::Contains("found no ZeRO save at") && Catch::Contains("absent.safetensors") &&
+                       Catch::Contains("save_zero_state"));
+  CHECK_THAT(what, !Catch::Contains("rank0-of-0"));
 }

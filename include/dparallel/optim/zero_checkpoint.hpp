@@ -119,7 +119,11 @@ zero_state_id save_zero_state(std::filesystem::path const& path, zero_redundancy
   // Rank 0, once the set is whole on disk: the commit, then the sets no longer needed.
   auto const commit = [&](auto&& replace) {
     if (rank != 0) return;
-    std::set<std::string> keep{id.set, access::state_set(opt)};
+    // The set the optimizer was loaded from, when it was: a fresh job's first save keeps only
+    // the sets a commit names ("" is the unnamed files of a save without sets, and is kept only
+    // when the previous commit is one).
+    std::set<std::string> keep{id.set};
+    if (!access::state_set(opt).empty()) keep.insert(access::state_set(opt));
     try {
       if (auto const before = detail::read_commit(path)) keep.insert(before->set);
     } catch (error const&) {  // a damaged commit is replaced: it named no set that loads
