@@ -428,6 +428,34 @@ TEST_CASE("shm fault: a stale segment with the job's name is replaced; a live on
   CHECK(shm_objects("dparallel-" + job).empty());
 }
 
+TEST_CASE("shm fault: under a torchrun-style launch, rank 0's set-up failure reaches its peers through the rendezvous",
+          "[shm][fault]") {
+  std::string const job = "test-rdv-live-" + std::to_string(::getpid());
+  auto live = dpl::detail::shm_segment::create("/dparallel-" + job, {2, 256, 4096});  // its creator runs
+  int const port = free_port();
+  auto const t0 = std::chrono::steady_clock::now();
+  auto const got = run_ranks(2, [&](int rank, dpl::shm::bootstrap_fn const&) {
+    ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+    ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    ::setenv("RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("WORLD_SIZE", "2", 1);
+    ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+    ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+    if (rank == 1) std::this_thread::sleep_for(500ms);  // connects after rank 0 has failed
+    auto const g = dpl::shm::init_process_group({.timeout = 60s}, {.job_id = job});
+    return std::string("joined");
+  });
+  auto const elapsed = std::chrono::steady_clock::now() - t0;
+  CHECK_THAT(got[0].text, Catch::Contains("exists and its creator, process " + std::to_string(::getpid())));
+  INFO("rank 1: " << got[1].text);
+  CHECK(got[1].exit_code != 0);
+  CHECK_THAT(got[1].text, Catch::Contains("rank 0 could not set up the shared-memory group") &&
+                              Catch::Contains("exists and its creator, process " + std::to_string(::getpid())));
+  CHECK(elapsed < 30s);  // the timeout is 60 s: told, not waited out
+  live.reset();
+  CHECK(shm_objects("dparallel-" + job).empty());
+}
+
 TEST_CASE("shm fault: a segment left by a rank 0 that died during set-up is removed by the next group", "[shm][fault]") {
   pid_t const crashed = ::fork();
   REQUIRE(crashed >= 0);
