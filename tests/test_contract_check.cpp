@@ -7,6 +7,7 @@
 #include <dparallel/comm/desync.hpp>
 #include <dparallel/comm/host.hpp>
 #include <dparallel/dparallel.hpp>
+#include <dparallel/spawn.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -357,4 +358,38 @@ TEST_CASE("DDP's grad_ready errors name the parameters by parameter_names()", "[
   bool named_it = false;
   for (auto const& e : errors) named_it = named_it || message_of(e).find("never for parameter(s) `fc2.bias`") != std::string::npos;
   CHECK(named_it);
+}
+
+TEST_CASE("construction errors name the parameters by parameter_names()", "[host][contract_check]") {
+  // DP: a replica whose gradient lies in the master's memory (its copy keeps the master's pointer).
+  struct shares_bias : named {
+    shares_bias() = default;
+    shares_bias(shares_bias const& o) : named(o) { gb_at = o.gb_at != nullptr ? o.gb_at : const_cast<float*>(o.gb.data()); }
+  };
+  shares_bias master;
+  CHECK_THROWS_WITH(dpl::data_parallel<shares_bias>(master, dpl::host::devices(2)),
+                    Catch::Contains("the replica for host:1: gradient `fc2.bias` shares storage with the master's "
+                                    "gradient `fc2.bias`"));
+  // DDP: ranks that declare different shapes for one parameter.
+  struct shaped_named : named {
+    std::vector<std::size_t> bias_shape{10};
+    auto parameter_shapes() const { return std::vector<std::vector<std::size_t>>{{6}, bias_shape}; }
+  };
+  auto groups = dpl::host::make_group(2);
+  auto errors = test::on_ranks(groups, [&](int r, dpl::process_group& g) {
+    shaped_named m;
+    if (r == 1) m.bias_shape = {2, 5};
+    dpl::distributed_data_parallel<shaped_named> ddp(m, g);
+  });
+  for (auto const& e : errors)
+    CHECK_THAT(message_of(e), Catch::Contains("rank 1 declares shape [2, 5] for parameter `fc2.bias`, expected rank "
+                                              "0's [10]"));
+  // DDP: two thread ranks wrapping one model object.
+  named one;
+  try {
+    dpl::spawn(2, [&](dpl::rank_context& rank) { dpl::distributed_data_parallel<named> ddp(one, rank); });
+    FAIL("expected an error");
+  } catch (dpl::error const& e) {
+    CHECK_THAT(e.what(), Catch::Contains("parameter `fc2.weight` shares memory with a parameter of the model that rank"));
+  }
 }

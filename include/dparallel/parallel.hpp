@@ -109,7 +109,8 @@ class parallel {
     verify_model(model, "DDP on rank " + std::to_string(group.rank()) + ": the model");
     device const dev = detail::ddp_local_device<Backend>(group, opts);
     for (auto const& t : parameter_refs(model)) Backend::check_view(t, dev, "DDP: the model's parameter");
-    registration_ = detail::parameter_registry::instance().add(parameter_refs(model), group.rank());
+    auto const label = [&model](std::size_t i) { return detail::parameter_label(model, i); };
+    registration_ = detail::parameter_registry::instance().add(parameter_refs(model), group.rank(), label);
     rs_.master = &model;
     rs_.devices = {dev};
     rs_.opts = std::move(opts);
@@ -122,7 +123,7 @@ class parallel {
     agreement_.enable(rs_);
     detail::as_ddp_constructor(rs_.rank(), [&] {
       replicate_.on_construct(rs_);
-      if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model));
+      if (rs_.world_size() > 1) detail::verify_shapes_across_ranks(rs_.group, detail::parameter_shapes_of(model), label);
       reduce_.on_construct(rs_);
     });
     trace_.open(trace_directory(rs_.opts.trace), rs_.rank(), rs_.world_size());  // after the collectives: aligned

@@ -85,9 +85,11 @@ inline bucket_view_plan plan_bucket_views(std::span<tensor_ref const> grads, std
 }
 
 /// Every step: the gradients must still lie where `plan` (agreed by every rank) says, relative to
-/// each other; the model may not have moved them. Throws invalid_argument naming the gradient.
-inline void check_bucket_views(std::span<tensor_ref const> grads, std::vector<bucket_spec> const& buckets,
-                               std::vector<std::size_t> const& base_slot, int rank) {
+/// each other; the model may not have moved them. Throws invalid_argument naming the gradient as
+/// `label(i)` does (parameter_label).
+template <class Label>
+void check_bucket_views(std::span<tensor_ref const> grads, std::vector<bucket_spec> const& buckets,
+                        std::vector<std::size_t> const& base_slot, int rank, Label const& label) {
   for (std::size_t b = 0; b < buckets.size(); ++b) {
     auto const& spec = buckets[b];
     if (spec.elements == 0) continue;
@@ -96,9 +98,9 @@ inline void check_bucket_views(std::span<tensor_ref const> grads, std::vector<bu
       tensor_ref const g = grads[spec.params[k]];
       if (g.size() == 0 || g.data() == base + spec.offsets[k] * size_of(spec.dtype)) continue;
       throw invalid_argument("dparallel: DDP with gradient_as_bucket_view on rank " + std::to_string(rank) +
-                             ": gradient " + std::to_string(spec.params[k]) +
+                             ": gradient " + label(spec.params[k]) +
                              " is no longer where it was, relative to gradient " +
-                             std::to_string(spec.params[base_slot[b]]) +
+                             label(spec.params[base_slot[b]]) +
                              ", when the buckets were planned; expected the gradients to keep their storage "
                              "(the buckets are views of it): do not reallocate them, or leave "
                              "gradient_as_bucket_view off");

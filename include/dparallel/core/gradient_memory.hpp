@@ -91,8 +91,11 @@ gradient_memory bind_gradients(M& m, std::span<tensor_ref const> grads, Allocate
   return g;
 }
 
-/// "" when `now` (gradients(m) after bind_gradients) are the places given, else what differs.
-inline std::string check_bound_gradients(std::span<tensor_ref const> now, gradient_memory const& given, int rank) {
+/// "" when `now` (gradients(m) after bind_gradients) are the places given, else what differs
+/// (naming the gradient as `label(i)` does: parameter_label).
+template <class Label>
+std::string check_bound_gradients(std::span<tensor_ref const> now, gradient_memory const& given, int rank,
+                                  Label const& label) {
   std::string const who = "DDP on rank " + std::to_string(rank) + ": ";
   if (now.size() != given.places.size())
     return who + "after bind_gradients the model has " + std::to_string(now.size()) + " gradients, expected the " +
@@ -101,7 +104,7 @@ inline std::string check_bound_gradients(std::span<tensor_ref const> now, gradie
     tensor_ref const& p = given.places[i];
     bool const moved = p.size() == 0 || now[i].data() == p.data();  // an empty gradient may point anywhere
     if (!moved || now[i].size() != p.size() || now[i].dtype() != p.dtype())
-      return who + "after bind_gradients the model's gradient " + std::to_string(i) +
+      return who + "after bind_gradients the model's gradient " + label(i) +
              " is not the place it was given (gradient_memory::places[" + std::to_string(i) +
              "]); expected gradients() to return the places bind_gradients received";
   }
@@ -127,7 +130,8 @@ std::string bind_replica_gradients(Set& s, bool& bound) {
     }
     s.refresh_views();
     bound = true;
-    return check_bound_gradients(s.grads[0], given, s.rank());
+    return check_bound_gradients(s.grads[0], given, s.rank(),
+                                 [&s](std::size_t i) { return parameter_label(*s.models[0], i); });
   } else {
     (void)s;
     (void)bound;

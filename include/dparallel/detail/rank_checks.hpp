@@ -56,8 +56,11 @@ inline std::string shape_text(std::int64_t const* dims, std::size_t n) {
 }
 
 /// Verifies that every rank declares rank 0's parameter shapes; a collective. The same error is
-/// raised on every rank, naming the first rank and parameter that differ.
-inline void verify_shapes_across_ranks(process_group const& g, std::vector<std::vector<std::int64_t>> const& shapes) {
+/// raised on every rank, naming the first rank and parameter that differ (`label(i)`: how the
+/// error names parameter i, as parameter_label does).
+template <class Label>
+void verify_shapes_across_ranks(process_group const& g, std::vector<std::vector<std::int64_t>> const& shapes,
+                                Label const& label) {
   // Encoding: per parameter its rank (number of dimensions), then its dimensions.
   std::vector<std::int64_t> mine;
   for (auto const& s : shapes) {
@@ -86,7 +89,7 @@ inline void verify_shapes_across_ranks(process_group const& g, std::vector<std::
         if (at < static_cast<std::size_t>(lens[r]) && other[at] >= 0 &&
             at + 1 + static_cast<std::size_t>(other[at]) <= longest)
           theirs = "shape " + shape_text(other + at + 1, static_cast<std::size_t>(other[at]));
-        return "DDP: rank " + std::to_string(r) + " declares " + theirs + " for parameter " + std::to_string(p) +
+        return "DDP: rank " + std::to_string(r) + " declares " + theirs + " for parameter " + label(p) +
                ", expected rank 0's " + shape_text(base + at + 1, n) +
                " (parameter_shapes()); equal sizes with other shapes would average different layouts: every rank "
                "must build the same model";
@@ -113,14 +116,15 @@ class parameter_registry {
   }
 
   /// Registers `params` for `rank`; throws invalid_argument when one overlaps a parameter of a
-  /// live wrapper (naming both ranks).
-  handle add(std::vector<tensor_ref> params, int rank) {
+  /// live wrapper (naming both ranks, and the parameter as `label(i)` does).
+  template <class Label>
+  handle add(std::vector<tensor_ref> params, int rank, Label const& label) {
     std::lock_guard lock(m_);
     for (auto const& e : entries_) {
       for (std::size_t i = 0; i < params.size(); ++i) {
         for (auto const& q : e.params) {
           require(!overlaps(params[i], q), [&] {
-            return "DDP on rank " + std::to_string(rank) + ": parameter " + std::to_string(i) +
+            return "DDP on rank " + std::to_string(rank) + ": parameter " + label(i) +
                    " shares memory with a parameter of the model that rank " + std::to_string(e.rank) +
                    " wrapped in this process; every rank needs a model of its own: build it inside the function "
                    "spawn() runs (thread ranks wrapping one model object would each apply every update)";

@@ -95,7 +95,10 @@ void check_replica(RS const& rs, std::size_t i) {
                                       std::to_string(mp.size()));
   for (std::size_t k = 0; k < mp.size(); ++k) {
     require(mp[k].size() == rp[k].size() && mp[k].dtype() == rp[k].dtype(),
-            where + ": parameter " + std::to_string(k) + " differs from the master's in size or dtype");
+            [&] {
+              return where + ": parameter " + parameter_label(*rs.master, k) +
+                     " differs from the master's in size or dtype";
+            });
   }
   // Groups: the master's parameters (0) and gradients (1), the replica's (2, 3); only a tensor of
   // the replica over one of the master's clashes (verify_model checked each model alone).
@@ -112,8 +115,9 @@ void check_replica(RS const& rs, std::size_t i) {
   auto const& mine = hit->first.group >= 2 ? hit->first : hit->second;
   auto const& master = hit->first.group >= 2 ? hit->second : hit->first;
   auto const kind = [](tensor_place const& t) { return t.group % 2 == 0 ? "parameter " : "gradient "; };
-  throw invalid_argument("dparallel: " + where + ": " + kind(mine) + std::to_string(mine.index) +
-                         " shares storage with the master's " + kind(master) + std::to_string(master.index) +
+  throw invalid_argument("dparallel: " + where + ": " + kind(mine) + parameter_label(r, mine.index) +
+                         " shares storage with the master's " + kind(master) +
+                         parameter_label(*rs.master, master.index) +
                          "; a replica needs its own storage, gradients included (a copy whose parameters() or "
                          "gradients() go through pointers into the master's members aliases it): give the model a "
                          "copy constructor or make_replica that points them at the copy's own members");

@@ -433,7 +433,8 @@ class zero_redundancy_optimizer {
     if (unused) return;
     auto const& ps = w_->reducer().buckets()[b].params;
     std::string list;
-    for (std::size_t k = 0; k < ps.size() && k < 8; ++k) list += (k ? ", " : "") + std::to_string(ps[k]);
+    for (std::size_t k = 0; k < ps.size() && k < 8; ++k)
+      list += (k ? ", " : "") + dparallel::detail::parameter_label(w_->module(), ps[k]);
     if (ps.size() > 8) list += ", ...";
     throw invalid_argument("dparallel: zero_redundancy_optimizer with overlap_gather on rank " +
                            std::to_string(w_->group().rank()) + ": the step used parameter(s) " + list + " (bucket " +

@@ -125,7 +125,9 @@ class bucketed_reduce {
     if (n != layout_.counts.size())
       throw invalid_argument("dparallel: DDP: the model has " + std::to_string(n) + " parameters now, expected the " +
                              std::to_string(layout_.counts.size()) + " it had when the wrapper was built");
-    if (layout_.views) detail::check_bucket_views(s.grads[0], layout_.plan, layout_.base_slot, s.rank());
+    if (layout_.views)
+      detail::check_bucket_views(s.grads[0], layout_.plan, layout_.base_slot, s.rank(),
+                                 [&s](std::size_t i) { return detail::parameter_label(*s.models[0], i); });
     marked_.assign(n, false);
     ready_order_.clear();
     grad_ready_called_ = false;
