@@ -1,19 +1,24 @@
 #pragma once
 // Forked ranks for tests of process groups on one node (test_shm, test_shm_subgroups): run_ranks
 // forks one process per rank with a pipe bootstrap from rank 0, and collects what each reported;
-// require_no_segments_of checks that /dev/shm holds no segment those processes created.
+// require_no_segments_of checks that /dev/shm holds no segment those processes created; free_port
+// finds a port for a TCP rendezvous.
 #include <dparallel/comm/shm.hpp>
 #include <dparallel/core/error.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <set>
 #include <span>
@@ -65,6 +70,7 @@ std::vector<rank_result> run_ranks(int n, rank_fn const& fn, std::vector<pid_t>*
     REQUIRE(::pipe(out[j].data()) == 0);
   }
   std::vector<pid_t> children;
+  std::fflush(nullptr);  // what the test wrote is not written again by each child
   for (int r = 0; r < n; ++r) {
     pid_t const pid = ::fork();
     REQUIRE(pid >= 0);
@@ -131,6 +137,19 @@ std::vector<rank_result> run_ranks(int n, rank_fn const& fn, std::vector<pid_t>*
   }
   if (pids != nullptr) *pids = children;
   return results;
+}
+
+/// A TCP port on the loopback interface that was free a moment ago (for a rendezvous).
+[[maybe_unused]] int free_port() {
+  int const fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
 }
 
 /// The shared-memory objects in /dev/shm whose name starts with `prefix`.

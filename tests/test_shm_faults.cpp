@@ -1,8 +1,9 @@
-// Faults of the shared-memory engine between real processes (fork) that need a changed system:
-// a /dev/shm too small for the segment (a 1 MiB tmpfs mounted in a mount namespace of the test's
-// own), a rank in another PID namespace (ranks of containers that share /dev/shm but not their
-// process ids), and a rank that destroyed its group while its peer waits. The namespace cases
-// need root (CAP_SYS_ADMIN); where unshare is refused they say so and check nothing.
+// Faults of the shared-memory engine between real processes (fork), most of which need a changed
+// system: a /dev/shm too small for the segment (a 1 MiB tmpfs mounted in a mount namespace of the
+// test's own), a rank in another PID namespace (ranks of containers that share /dev/shm but not
+// their process ids), a rank that destroyed its group while its peer waits, and ranks that come
+// late (the "still waiting" lines). The namespace cases need root (CAP_SYS_ADMIN); where unshare
+// is refused they say so and check nothing.
 #include "fork_ranks.hpp"
 
 #include <dparallel/comm/shm.hpp>
@@ -16,11 +17,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstddef>
+#include <cstdio>
 #include <chrono>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <regex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -158,4 +162,56 @@ TEST_CASE("shm fault: a rank that destroyed its group is named at once, as a com
                                               "issuing 1 collective, so it will never call collective #2"));
   CHECK(elapsed < 10s);  // the timeout is 30 s: the closed rank was seen, not waited out
   require_no_segments_of(pids);
+}
+
+TEST_CASE("shm and the TCP rendezvous say which rank they still wait for after about 10 s, well before the timeout",
+          "[shm][rendezvous][fault]") {
+  // Six forked ranks run three jobs at once, each with one rank 11 s late: the shared-memory
+  // group (ranks 0, 1: rank 1 maps the segment late), a rendezvous whose rank 1 comes late (ranks
+  // 2, 3: rank 0 of that job says so) and one whose rank 0 comes late (ranks 4, 5: its peer says
+  // so). Each job still forms its group; a rank reports what it wrote to stderr.
+  int const port_a = free_port(), port_b = free_port();
+  auto const t0 = std::chrono::steady_clock::now();
+  auto const got = run_ranks(6, [&](int rank, dpl::shm::bootstrap_fn const& share) -> std::string {
+    std::FILE* err = std::tmpfile();
+    REQUIRE(err != nullptr);
+    ::dup2(::fileno(err), 2);
+    int size = 0;
+    if (rank < 2) {
+      dpl::shm::bootstrap_fn const late = [&](std::span<std::byte const> mine) {
+        auto got_name = share(mine);
+        if (rank == 1) std::this_thread::sleep_for(11s);
+        return got_name;
+      };
+      size = dpl::shm::make_group(rank, 2, late, 60s).size();
+    } else {
+      int const job_rank = rank % 2;
+      bool const late = (rank < 4) == (job_rank == 1);  // job A: its rank 1 is late; job B: its rank 0
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(rank < 4 ? port_a : port_b).c_str(), 1);
+      ::setenv("RANK", std::to_string(job_rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", "2", 1);
+      ::setenv("LOCAL_RANK", std::to_string(job_rank).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+      if (late) std::this_thread::sleep_for(11s);
+      size = dpl::shm::init_process_group({.timeout = 60s}).size();
+    }
+    std::fflush(stderr);
+    std::string text = "size " + std::to_string(size) + "\n";
+    std::rewind(err);
+    for (int c; (c = std::fgetc(err)) != EOF;) text += static_cast<char>(c);
+    return text;
+  });
+  auto const elapsed = std::chrono::steady_clock::now() - t0;
+  for (std::size_t r = 0; r < 6; ++r) {
+    INFO("rank " << r << ": " << got[r].text);
+    CHECK(got[r].exit_code == 0);
+    CHECK_THAT(got[r].text, Catch::StartsWith("size 2"));
+  }
+  CHECK_THAT(got[0].text, Catch::Contains("shm: rank 0 is still waiting for rank 1 to map shared-memory segment") &&
+                              Catch::Contains("s left of the timeout"));
+  CHECK_THAT(got[2].text, Catch::Contains("tcp_rendezvous on rank 0 at") && Catch::Contains("still waiting for rank 1"));
+  CHECK_THAT(got[5].text, Catch::Contains("tcp_rendezvous on rank 1: still waiting for rank 0 at"));
+  for (std::size_t r : {1, 3, 4}) CHECK(got[r].text.find("still waiting") == std::string::npos);  // the late ones
+  CHECK(elapsed < 30s);
 }
