@@ -30,47 +30,6 @@ namespace example {
 // ------------------------------------------------------------------------------------------------
 // What every mode shares
 
-/// The samples of one epoch, as DDP with R ranks reads them: rank r reads the indices that
-/// dparallel::distributed_sampler (shuffled from seed + epoch) gives it, in batches of B / R, and
-/// global batch j is the concatenation, in rank order, of every rank's batch j. Single and dp runs
-/// with --sampler-replicas R visit exactly the batches of a DDP run with R ranks, in the same
-/// order (R = 1 is the plain shuffled order).
-class epoch_plan {
- public:
-  epoch_plan(std::size_t dataset_size, int replicas, std::size_t global_batch, std::uint64_t seed, int epoch,
-             dparallel::shuffle_order order)
-      : per_rank_(global_batch / static_cast<std::size_t>(replicas)) {
-    for (int r = 0; r < replicas; ++r) {
-      dparallel::distributed_sampler sampler(dataset_size, replicas, r,
-                                             {.shuffle = true, .seed = seed, .order = order});
-      sampler.set_epoch(static_cast<std::uint64_t>(epoch));
-      streams_.emplace_back(sampler.begin(), sampler.end());
-    }
-  }
-  /// Number of global batches (the last may be smaller).
-  [[nodiscard]] std::size_t batches() const { return (streams_[0].size() + per_rank_ - 1) / per_rank_; }
-  /// Rank r's samples of global batch j.
-  [[nodiscard]] std::span<std::uint32_t const> slice(std::size_t j, int r) const {
-    auto const& s = streams_[static_cast<std::size_t>(r)];
-    std::size_t const first = j * per_rank_;
-    return std::span<std::uint32_t const>(s).subspan(first, std::min(per_rank_, s.size() - first));
-  }
-  /// Every rank's samples of global batch j, in rank order.
-  [[nodiscard]] std::vector<std::uint32_t> global(std::size_t j) const {
-    std::vector<std::uint32_t> all;
-    for (int r = 0; r < static_cast<int>(streams_.size()); ++r) {
-      auto const part = slice(j, r);
-      all.insert(all.end(), part.begin(), part.end());
-    }
-    return all;
-  }
-  [[nodiscard]] std::size_t samples() const { return streams_.size() * streams_[0].size(); }
-
- private:
-  std::size_t per_rank_;
-  std::vector<std::vector<std::uint32_t>> streams_;
-};
-
 /// One batch's samples copied out of the dataset into buffers of its own (what the loader's make
 /// function returns, so that worker threads can make batches ahead); view() is the batch the
 /// model reads (images with rows = samples), valid while this object lives.
@@ -322,7 +281,6 @@ result train(config const& cfg, training_data const& data, start_point const& st
       throw std::runtime_error("--resume --zero 1: " + std::string(e.what()));
     }
   }
-  std::size_t const per_rank = cfg.global_batch / static_cast<std::size_t>(cfg.sampler_replicas);
   auto const epochs = static_cast<std::uint64_t>(cfg.epochs);
   dparallel::training_progress p = start.progress;
   r.start_step = p.step;
@@ -333,33 +291,42 @@ result train(config const& cfg, training_data const& data, start_point const& st
   while (p.epoch < epochs && p.step < cfg.steps) {
     auto const begin = std::chrono::steady_clock::now();
     int const epoch = static_cast<int>(p.epoch);
-    epoch_plan const plan(data.train.size(), cfg.sampler_replicas, cfg.global_batch, p.seed, epoch, p.sampler.order);
-    std::size_t const first = static_cast<std::size_t>(p.sampler.index) / per_rank;
-    if (p.sampler.epoch != p.epoch || p.sampler.index % per_rank != 0 || first >= plan.batches())
+    // This participant's batches: every sampler replica's part of each global batch (the one
+    // process of single and DP) or its own rank's; from the checkpoint's position on a resume.
+    int const covers = rank < 0 ? cfg.sampler_replicas : 1;
+    dparallel::batch_plan plan(data.train.size(), cfg.sampler_replicas, rank < 0 ? 0 : rank, covers,
+                               {.global_batch = cfg.global_batch, .seed = p.seed, .order = p.sampler.order});
+    plan.set_epoch(p.epoch);
+    std::size_t first = 0;
+    try {
+      dparallel::detail::require(p.sampler.epoch == p.epoch, [&] {
+        return "the position is of epoch " + std::to_string(p.sampler.epoch) + ", the checkpoint's epoch is " +
+               std::to_string(p.epoch);
+      });
+      first = plan.resume(p.sampler);
+      dparallel::detail::require(first < plan.size(), "the position is past the epoch's last step");
+    } catch (dparallel::error const& e) {
       throw std::runtime_error("--resume: the checkpoint's sampler position (epoch " +
                                std::to_string(p.sampler.epoch) + ", index " + std::to_string(p.sampler.index) +
                                ") is not the start of a batch of epoch " + std::to_string(p.epoch) + " (" +
-                               std::to_string(plan.batches()) + " batches of " + std::to_string(per_rank) +
-                               " samples per replica); it was not written by this program's --save-checkpoint");
-    // Batches first.. of the epoch: the whole global batch, or this rank's part of it.
+                               std::to_string(plan.size()) + " batches of " + std::to_string(plan.per_replica()) +
+                               " samples per replica): " + e.what() +
+                               "; it was not written by this program's --save-checkpoint");
+    }
+    // Batches first.. of the epoch; every replica's part of a step has the same size (the sampler
+    // pads), so a global batch is this participant's times the replicas it does not cover.
     std::vector<std::vector<std::size_t>> lists;
     std::vector<std::size_t> global_sizes;
-    for (std::size_t k = first; k < plan.batches(); ++k) {
-      std::vector<std::uint32_t> const all = plan.global(k);
-      global_sizes.push_back(all.size());
-      if (rank < 0) {
-        lists.emplace_back(all.begin(), all.end());
-      } else {
-        auto const part = plan.slice(k, rank);
-        lists.emplace_back(part.begin(), part.end());
-      }
+    for (std::size_t k = first; k < plan.size(); ++k) {
+      lists.push_back(plan[k]);
+      global_sizes.push_back(lists.back().size() * static_cast<std::size_t>(cfg.sampler_replicas / covers));
     }
     dparallel::loader batches(lists, make, {.num_workers = cfg.workers});
     speed.new_epoch();
     std::array<double, 2> loss{0, 0};  // this rank's sum of loss x samples, and its samples
     std::size_t samples = 0, j = first;
     std::size_t const drop = cfg.uneven && rank > 0 ? static_cast<std::size_t>(rank) : 0;
-    std::size_t const last = plan.batches() - std::min(drop, plan.batches());
+    std::size_t const last = plan.size() - std::min(drop, plan.size());
     for (; j < last && p.step < cfg.steps; ++j) {
       std::optional<gathered_batch> const made = batches.next();
       if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
@@ -372,7 +339,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
       std::size_t const n = global_sizes[j - first];
       samples += n;
       speed.add(n);
-      p.sampler.index = (j + 1) * per_rank;
+      p.sampler = plan.position_after(j);
       if (++p.step == early_steps) {
         early_taken = true;
         r.early_steps = early_steps;
@@ -391,7 +358,7 @@ result train(config const& cfg, training_data const& data, start_point const& st
     evaluated = true;
     std::printf("epoch %d/%d  train_loss %.4f  test_accuracy %.4f  samples/s %.0f  (%.2f s)", epoch + 1, cfg.epochs,
                 r.train_loss, r.test_accuracy, static_cast<double>(samples) / took.count(), took.count());
-    if (first != 0 || j != plan.batches()) std::printf("  batches %zu-%zu of %zu", first + 1, j, plan.batches());
+    if (first != 0 || j != plan.size()) std::printf("  batches %zu-%zu of %zu", first + 1, j, plan.size());
     std::printf("\n");
     std::fflush(stdout);
   }
