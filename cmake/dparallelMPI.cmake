@@ -1,7 +1,8 @@
 # The MPI add-on: the target dparallel::mpi (dparallel + MPI's C library, for
-# <dparallel/comm/mpi.hpp>) when find_package(MPI) finds MPI's C++ compiler support, and the
-# launcher settings the MPI tests and examples use. Without MPI nothing is defined and a status
-# message says so; the rest of dparallel does not need MPI.
+# <dparallel/comm/mpi.hpp>) and the launcher settings the MPI tests and examples use. At the top
+# level MPI is looked for at once: without it nothing is defined and a status message says so (the
+# rest of dparallel does not need MPI). As a subproject MPI is looked for when a target links
+# dparallel::mpi, and a configure error says so when it is not found.
 #
 # Included by the top-level CMakeLists.txt, tests/mpi and examples, whichever comes first (the
 # guard makes the others no-ops). Defines, when MPI is found:
