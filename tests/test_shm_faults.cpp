@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <sched.h>
+#include <signal.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -141,6 +142,45 @@ TEST_CASE("shm fault: a rank in another PID namespace is not taken for dead", "[
   INFO("rank 0: " << got[0].text << "\nrank 1: " << got[1].text);
   CHECK(got[0].text == "sum 16.000000");
   CHECK(got[1].text == "1 sum 16.000000");
+}
+
+TEST_CASE("shm fault: a rank of another PID namespace killed with -9 is named at once, not at the timeout",
+          "[shm][fault]") {
+  // Rank 1 runs in a PID namespace of its own and dies (SIGKILL) after its first collective: rank
+  // 0 cannot probe its process id, and finds it gone by its liveness lock instead.
+  auto const t0 = std::chrono::steady_clock::now();
+  auto const got = run_ranks(2, [&](int rank, dpl::shm::bootstrap_fn const& share) -> std::string {
+    if (rank == 0) {
+      auto const g = dpl::shm::make_group(rank, 2, share, 60s);
+      std::vector<double> v{1.0};
+      g.all_reduce(dpl::view(v)).wait();
+      g.all_reduce(dpl::view(v)).wait();  // rank 1 is dead by now
+      return "no error";
+    }
+    if (::unshare(CLONE_NEWPID) != 0) {
+      (void)share({});
+      return std::string("SKIP unshare(CLONE_NEWPID): ") + std::strerror(errno);
+    }
+    // The namespace's first process (its init, which ignores SIGKILL from inside) forks the rank.
+    return in_child([&] {
+      return in_child([&]() -> std::string {
+        auto const g = dpl::shm::make_group(rank, 2, share, 60s);
+        std::vector<double> v{1.0};
+        g.all_reduce(dpl::view(v)).wait();
+        ::raise(SIGKILL);
+        return "survived";
+      });
+    });
+  });
+  auto const elapsed = std::chrono::steady_clock::now() - t0;
+  if (got[1].text.rfind("SKIP", 0) == 0) {
+    WARN("not checked: " << got[1].text);
+    return;
+  }
+  INFO("rank 0: " << got[0].text << "\nrank 1: " << got[1].text);
+  CHECK_THAT(got[0].text, Catch::StartsWith("EXC comm_error 1:") &&
+                              Catch::Contains("rank 1 (process 2 of another PID namespace) died or exited"));
+  CHECK(elapsed < 20s);  // the timeout is 60 s
 }
 
 TEST_CASE("shm fault: a rank that destroyed its group is named at once, as a comm_error", "[shm][fault]") {

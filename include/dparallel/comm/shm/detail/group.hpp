@@ -81,6 +81,7 @@ class shm_group {
   /// group's failure; the name is unlinked either way.
   void join(std::chrono::milliseconds timeout) {
     seg_->slot(rank_).pidns = pidns_;
+    seg_->slot(rank_).holds_lock = seg_->hold_liveness_lock(rank_) ? 1 : 0;
     shm_word(seg_->slot(rank_).pid).store(::getpid(), std::memory_order_release);
     auto const was = shm_word(seg_->header().mapped).fetch_add(1, std::memory_order_acq_rel);
     if (was + 1 == static_cast<std::uint64_t>(n_)) seg_->unlink();
@@ -295,10 +296,15 @@ class shm_group {
         }
       }
       auto const pid = shm_word(s.pid).load(std::memory_order_acquire);
-      // Only a process of this PID namespace can be probed (its pidns was written before its pid).
-      if (pid != 0 && s.pidns == pidns_ && process_gone(pid)) {
+      // A process of this PID namespace is probed by its id, one of another namespace by its
+      // liveness lock (Liveness in shm/detail/segment.hpp); its pidns and lock were written before
+      // its pid.
+      if (pid == 0) continue;
+      bool const here = s.pidns == pidns_;
+      if (here ? process_gone(pid) : s.holds_lock == 1 && seg_->liveness_lock_released(j)) {
         set_failure(j, shm_fail_cause::died,
                     "rank " + std::to_string(j) + " (process " + std::to_string(pid) +
+                        (here ? "" : " of another PID namespace") +
                         ") died or exited while the group was in use (rank " + std::to_string(rank_) +
                         " found it gone while it waited" +
                         (seq != 0 ? " in collective #" + std::to_string(seq) : std::string()) + ")");

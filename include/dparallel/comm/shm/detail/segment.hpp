@@ -17,6 +17,15 @@
 // is a clear error when that process still runs (or lives in another PID namespace, where its
 // number cannot be checked: the header records the creator's PID namespace, each slot its rank's).
 //
+// Liveness. A rank that dies while the group is in use is found by its peers: within one PID
+// namespace by its process id (kill(pid, 0), /proc), across PID namespaces (containers that share
+// /dev/shm but not their process ids) by a lock. Each rank holds an open-file-description lock
+// (F_OFD_SETLK) on byte `rank` of the segment's file through its own descriptor, which the kernel
+// releases when the process ends in any way; a peer asks with F_OFD_GETLK whether anyone still
+// holds that byte. The lock belongs to the descriptor, not to a thread or a process id, so it
+// means the same in every namespace; a child forked after the group was made shares the
+// descriptor and keeps its parent's rank looking alive (then only the timeout finds it).
+//
 // Memory. Rank 0 reserves the header, the slots and the chunks at creation (posix_fallocate): a
 // /dev/shm that cannot hold them is an error naming the bytes needed and free (handed to every
 // rank through the bootstrap), never a SIGBUS at first touch.
@@ -65,7 +74,7 @@ DPARALLEL_NAMESPACE_BEGIN
 namespace detail {
 
 inline constexpr std::uint64_t shm_magic = 0x4450'4152'5348'4d31ull;  // "DPARSHM1"
-inline constexpr std::uint64_t shm_version = 3;
+inline constexpr std::uint64_t shm_version = 4;
 inline constexpr std::size_t shm_reason_bytes = 1024;
 
 /// Why a shared-memory group failed (the header's fail_cause): what the error type and the end of
@@ -95,6 +104,7 @@ struct alignas(64) shm_rank_slot {
   alignas(8) std::uint64_t closed;  // last collective it will issue (max: still open)
   alignas(8) std::int64_t pid;      // its process, once it mapped the segment (0 before)
   std::uint64_t pidns;              // the PID namespace `pid` is valid in (written before pid)
+  std::uint64_t holds_lock;         // 1: it holds its liveness lock (written before pid)
   shm_call_record calls[2];         // its descriptors, by sequence-number parity
 };
 
@@ -331,6 +341,28 @@ class shm_segment {
   /// Forgets the name without unlinking it (another rank does).
   void disown() noexcept { owns_name_ = false; }
 
+  /// Takes rank `rank`'s liveness lock (see Liveness above); false where the system has none.
+  [[nodiscard]] bool hold_liveness_lock(int rank) const noexcept {
+#if defined(__linux__) && defined(F_OFD_SETLK)
+    struct flock l = liveness_byte(rank);
+    return ::fcntl(fd_, F_OFD_SETLK, &l) == 0;
+#else
+    (void)rank;
+    return false;
+#endif
+  }
+  /// Whether nothing holds rank `j`'s liveness lock any more (its process ended); false when
+  /// unknown. Only for another rank's lock, taken with hold_liveness_lock.
+  [[nodiscard]] bool liveness_lock_released(int j) const noexcept {
+#if defined(__linux__) && defined(F_OFD_GETLK)
+    struct flock l = liveness_byte(j);
+    return ::fcntl(fd_, F_OFD_GETLK, &l) == 0 && l.l_type == F_UNLCK;
+#else
+    (void)j;
+    return false;
+#endif
+  }
+
   /// Backs bytes [offset, offset + bytes) with memory now (fallocate): false when /dev/shm cannot
   /// hold them (or the system has no fallocate for it), instead of a SIGBUS when they are touched.
   [[nodiscard]] bool reserve(std::size_t offset, std::size_t bytes) const noexcept {
@@ -347,6 +379,15 @@ class shm_segment {
   explicit shm_segment(std::string name) : name_(std::move(name)) {}
 
   [[nodiscard]] std::size_t layout_slots() const noexcept { return shm_layout::round(sizeof(shm_header)); }
+
+  static struct flock liveness_byte(int rank) noexcept {
+    struct flock l{};
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    l.l_start = static_cast<off_t>(rank);
+    l.l_len = 1;
+    return l;
+  }
 
   // Backs everything but the group memory (header, slots, small slots, chunks, result: what every
   // collective touches) with memory now, so that a /dev/shm too small for it is an error here,
