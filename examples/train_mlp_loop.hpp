@@ -30,13 +30,16 @@ namespace example {
 // ------------------------------------------------------------------------------------------------
 // What every mode shares
 
-/// One batch's samples copied out of the dataset into buffers of its own (what the loader's make
-/// function returns, so that worker threads can make batches ahead); view() is the batch the
-/// model reads (images with rows = samples), valid while this object lives.
+/// One batch as the loader makes it (so that worker threads can make batches ahead): the ids of
+/// its samples, and, unless the step copies its own rows (see batch_making), their images and
+/// labels copied out of the data set. view() is the batch the model reads (images with rows =
+/// samples), valid while this object lives.
 struct gathered_batch {
-  std::vector<float> images;
+  std::vector<std::size_t> ids;
+  std::vector<float> images;  // empty when made with batch_making::ids
   std::vector<std::int32_t> labels;
 
+  [[nodiscard]] std::size_t samples() const noexcept { return ids.size(); }
   [[nodiscard]] batch view() const {
     std::size_t const n = labels.size();
     return {dparallel::tensor_view<float const>(images.data(), n * mlp::inputs, n),
@@ -44,14 +47,27 @@ struct gathered_batch {
   }
 };
 
+/// What the loader does for each batch: copy the samples' rows (the model then reads views of
+/// them), or keep their ids alone for a step that copies each shard's rows on the thread that
+/// computes it (DataParallel: each device copies its own shard, in parallel, as each DDP rank
+/// copies its own part; copied on the training thread, the rows would be a serial part of every
+/// DP step that the devices wait for).
+enum class batch_making { rows, ids };
+
 /// Copies the samples `samples` names, in that order. Reads `data` only: safe to call from
-/// several loader workers at once.
-inline gathered_batch gather(fashion_mnist::dataset const& data, std::span<std::size_t const> samples) {
-  gathered_batch out{std::vector<float>(samples.size() * mlp::inputs), std::vector<std::int32_t>(samples.size())};
-  for (std::size_t i = 0; i < samples.size(); ++i) {
-    float const* src = data.images.data() + samples[i] * mlp::inputs;
-    std::copy(src, src + mlp::inputs, out.images.begin() + static_cast<std::ptrdiff_t>(i * mlp::inputs));
-    out.labels[i] = data.labels[samples[i]];
+/// several loader workers, or several devices, at once.
+inline gathered_batch gather(fashion_mnist::dataset const& data, std::span<std::size_t const> samples,
+                             batch_making making = batch_making::rows) {
+  gathered_batch out;
+  out.ids.assign(samples.begin(), samples.end());
+  if (making == batch_making::ids) return out;
+  // One pass over the batch's bytes: reserved, then appended (no zero fill before the copy).
+  out.images.reserve(samples.size() * mlp::inputs);
+  out.labels.reserve(samples.size());
+  for (std::size_t const s : samples) {
+    float const* src = data.images.data() + s * mlp::inputs;
+    out.images.insert(out.images.end(), src, src + mlp::inputs);
+    out.labels.push_back(data.labels[s]);
   }
   return out;
 }
@@ -240,8 +256,8 @@ inline mlp& host_model(gpu_master& m) {
 }
 #endif
 
-/// The training loop every mode runs. `step(batch const&, std::chrono::nanoseconds waited) ->
-/// double` is the mode: it returns the mean loss over the batch it was given (a DDP rank's part of
+/// The training loop every mode runs. `step(gathered_batch const&, std::chrono::nanoseconds waited)
+/// -> double` is the mode: it returns the mean loss over the batch it was given (a DDP rank's part of
 /// the global batch) and leaves the gradient of the global batch's mean loss in `master`'s gradients (`waited`: how long the loop waited for this batch, for
 /// the wrapper's profile). Then the optimizer (make_update, or `update_override` when given: ZeRO-1's)
 /// updates `master`; after each epoch `master` is evaluated on the test set.
@@ -251,7 +267,8 @@ inline mlp& host_model(gpu_master& m) {
 ///
 /// Each epoch's batches come from a dparallel::loader (--workers threads make them ahead, in
 /// order) over the plan's index lists, so the batches, hence the results, do not depend on
-/// --workers.
+/// --workers. `making` says whether the loader copies the rows (with --workers, it always does) or
+/// leaves that to the step.
 ///
 /// The loop starts where `start.progress` stands (epoch, step, and the sampler position: the
 /// number of its indices each sampler replica has consumed in that epoch) and stops after the last
@@ -268,10 +285,12 @@ inline mlp& host_model(gpu_master& m) {
 template <class Master, class Step>
 result train(config const& cfg, training_data const& data, start_point const& start, Master& master, int rank,
              Step&& step, updater update_override = {}, std::function<void()> const& end_epoch = {},
-             std::function<void(std::array<double, 2>&)> const& sum_over_ranks = {}) {
+             std::function<void(std::array<double, 2>&)> const& sum_over_ranks = {},
+             batch_making making = batch_making::rows) {
   result r;
   bool const reports = rank <= 0;
-  auto const make = [&data](std::span<std::size_t const> samples) { return gather(data.train, samples); };
+  if (cfg.workers != 0) making = batch_making::rows;  // the loader's threads copy ahead
+  auto const make = [&data, making](std::span<std::size_t const> samples) { return gather(data.train, samples, making); };
   updater const update = update_override.step ? std::move(update_override) : make_update(cfg, master);
   load_optimizer_state(cfg, update, master);
   if (!cfg.resume.empty() && update.load_files) {  // every rank
@@ -331,11 +350,10 @@ result train(config const& cfg, training_data const& data, start_point const& st
       std::optional<gathered_batch> const made = batches.next();
       if (!made) throw std::logic_error("train_mlp: the loader ended before the epoch's last batch");
       r.data_wait_seconds += seconds(batches.last_wait()).count();
-      batch const b = made->view();
-      double const mean = step(b, batches.last_wait());
+      double const mean = step(*made, batches.last_wait());
       update.step(cfg.lr);
-      loss[0] += mean * static_cast<double>(b.images.rows());
-      loss[1] += static_cast<double>(b.images.rows());
+      loss[0] += mean * static_cast<double>(made->samples());
+      loss[1] += static_cast<double>(made->samples());
       std::size_t const n = global_sizes[j - first];
       samples += n;
       speed.add(n);

@@ -30,8 +30,8 @@ void print_single_profile(config const& cfg, result const& r) {
 /// --profile prints only the loop's total wait for its batches.
 result run_single(config const& cfg, training_data const& data, start_point const& start) {
   mlp model = start.model;
-  result r = train(cfg, data, start, model, -1, [&](batch const& b, std::chrono::nanoseconds) {
-    return static_cast<double>(model.forward_backward(b));
+  result r = train(cfg, data, start, model, -1, [&](gathered_batch const& b, std::chrono::nanoseconds) {
+    return static_cast<double>(model.forward_backward(b.view()));
   });
   r.devices = 1;
   print_single_profile(cfg, r);
@@ -52,19 +52,29 @@ void print_profile(config const& cfg, Wrapper const& wrapper) {
 result run_dp(config const& cfg, training_data const& data, start_point const& start) {
   mlp model = start.model;
   dparallel::data_parallel<mlp> dp(model, dparallel::host::devices(cfg.devices));
-  auto const step = [&](batch const& b, std::chrono::nanoseconds waited) {
+  auto const step = [&](gathered_batch const& b, std::chrono::nanoseconds waited) {
     dp.note_data_wait(waited);
-    std::vector<float> const losses =
-        dp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); });
+    // The step scatters the samples' ids; each device copies its shard's rows on its own thread
+    // (unless --workers made the rows already) and computes on them.
+    std::vector<float> const losses = dp.step(
+        std::span<std::size_t const>(b.ids), [&](mlp& m, std::span<std::size_t const> ids, dparallel::step_context& ctx) {
+          if (!b.images.empty()) {  // the loader's workers copied the rows: this shard's, as views
+            std::size_t const first = ctx.shard_offset();
+            return m.forward_backward(dparallel::batch_traits<batch>::slice(b.view(), first, first + ids.size()));
+          }
+          gathered_batch const shard = gather(data.train, ids);
+          return m.forward_backward(shard.view());
+        });
     // One mean loss per device that received a shard, in device order: weight each by its size.
     double sum = 0;
     std::size_t k = 0;
     for (std::size_t size : dp.last_shard_sizes())
       if (size != 0) sum += static_cast<double>(losses[k++]) * static_cast<double>(size);
-    return sum / static_cast<double>(b.images.rows());
+    return sum / static_cast<double>(b.samples());
   };
   // The optimizer steps the wrapper: the devices' threads share the update of the master.
-  result r = train(cfg, data, start, dp.module(), -1, step, make_update(cfg, dp.module(), dp));
+  result r = train(cfg, data, start, dp.module(), -1, step, make_update(cfg, dp.module(), dp), {}, {},
+                   batch_making::ids);
   r.devices = cfg.devices;
   print_profile(cfg, dp);
   return r;
@@ -128,7 +138,8 @@ result run_ddp_as(config const& cfg, training_data const& data, start_point cons
     mlp model = start.model;
     dparallel::parallel<mlp, Bundle> ddp(model, rank.group(), ddp_options(cfg));
     if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
-    result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
+    result r = train(cfg, data, start, ddp.module(), rank.rank(), [&](gathered_batch const& made, std::chrono::nanoseconds waited) {
+      batch const b = made.view();
       ddp.note_data_wait(waited);
       return static_cast<double>(
           ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); }));
@@ -160,7 +171,8 @@ result run_ddp_mpi_as(config const& cfg, training_data const& data, start_point 
   // one node the all-reduces read and write in place in every process (ordinary memory across nodes).
   dparallel::parallel<mlp, Bundle> ddp(model, group, ddp_options(cfg));
   if constexpr (!std::is_same_v<Bundle, dparallel::ddp_zero1>) use_comm_hook(cfg, ddp);
-  result r = train(cfg, data, start, ddp.module(), group.rank(), [&](batch const& b, std::chrono::nanoseconds waited) {
+  result r = train(cfg, data, start, ddp.module(), group.rank(), [&](gathered_batch const& made, std::chrono::nanoseconds waited) {
+    batch const b = made.view();
     ddp.note_data_wait(waited);
     return static_cast<double>(
         ddp.step(b, [](mlp& m, batch shard, dparallel::step_context&) { return m.forward_backward(shard); }));
@@ -183,7 +195,7 @@ result train_on_gpu(config const& cfg, training_data const& data, start_point co
                     train_mlp_cuda::runner& run, int rank, dparallel::process_group const* group = nullptr) {
   gpu_master master{&run, start.model};
   return train(cfg, data, start, master, rank,
-               [&run](batch const& b, std::chrono::nanoseconds waited) { return run.step(b, waited); }, {}, {},
+               [&run](gathered_batch const& b, std::chrono::nanoseconds waited) { return run.step(b.view(), waited); }, {}, {},
                group != nullptr ? sum_over(*group) : std::function<void(std::array<double, 2>&)>());
 }
 
